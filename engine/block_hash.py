@@ -1,0 +1,39 @@
+"""Chained block hashes over token ids — shared by engines and the router.
+
+    hash(block j) = H(hash(block j-1) || token ids of block j)
+
+A block's hash therefore identifies the whole prefix up to and including it,
+so two requests share block j only if their first (j+1)*block_size tokens are
+equal. Only full blocks are hashed. This module must stay torch-free: the
+router imports it to index worker caches with the very same hashes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+BlockHash = bytes
+"""16-byte digest; `bytes` so it is hashable, compact and stable across processes."""
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block)."""
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(parent if parent is not None else b"\x00" * 16)
+    digest.update(struct.pack(f"<{len(token_ids)}I", *token_ids))
+    return digest.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    block_size: int,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every full block of `token_ids` (the tail is ignored)."""
+    hashes: list[BlockHash] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes

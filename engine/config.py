@@ -1,0 +1,127 @@
+"""Engine configuration: one frozen dataclass per concern, composed in `EngineConfig`.
+
+Every field is documented where it is defined and validated in `__post_init__`
+with an error that quotes the bad value. Values discovered at run time (the
+model's shape, the number of KV blocks that fit) live in separate objects
+(`ModelConfig`, `CacheLayout`) — configs are never mutated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+EvictionPolicy = Literal["lru", "ref_zero"]
+Role = Literal["aggregated", "prefill", "decode"]
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
+
+_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+        raise ValueError(f"{name} must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache and prefix cache."""
+
+    block_size_tokens: int = 16
+    """Tokens per KV block (page). Prefix caching reuses whole blocks only."""
+    buffer_size_gb: float = 0.25
+    """Memory budget for the KV block pool, summed over this rank's layers."""
+    num_blocks: int | None = None
+    """Exact number of blocks; overrides `buffer_size_gb` (tests, benchmarks)."""
+    enable_prefix_caching: bool = True
+    """Reuse blocks whose chained hash matches across requests."""
+    prefix_caching_eviction_policy: EvictionPolicy = "lru"
+    """`lru`: unreferenced cached blocks stay until space is needed, oldest first.
+    `ref_zero`: a cached block is dropped the moment its last reference goes."""
+    handoff_lease_s: float = 30.0
+    """Prefill role: pinned blocks are released after this many seconds even if
+    the decode side never acknowledges — pins can never leak."""
+
+    def __post_init__(self) -> None:
+        _positive("block_size_tokens", self.block_size_tokens)
+        _positive("handoff_lease_s", self.handoff_lease_s)
+        _positive("buffer_size_gb", self.buffer_size_gb)
+        _positive("num_blocks", self.num_blocks, allow_none=True)
+        if self.prefix_caching_eviction_policy not in ("lru", "ref_zero"):
+            raise ValueError(
+                "prefix_caching_eviction_policy must be 'lru' or 'ref_zero', "
+                f"got {self.prefix_caching_eviction_policy!r}"
+            )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits."""
+
+    max_requests: int = 64
+    """Requests running at once (decoding or prefilling)."""
+    max_tokens: int = 2048
+    """Token budget of one forward step (decode tokens + prefill chunk tokens)."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so running decodes are never stalled.
+    When off, a prompt is prefilled whole in one step (it may exceed `max_tokens`)."""
+    max_sequence_length: int | None = None
+    """Longest prompt + generation accepted; defaults to the model's context."""
+
+    def __post_init__(self) -> None:
+        _positive("max_requests", self.max_requests)
+        _positive("max_tokens", self.max_tokens)
+        _positive("max_sequence_length", self.max_sequence_length, allow_none=True)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor and pipeline parallelism inside one worker group."""
+
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine needs; composed from the per-concern configs."""
+
+    model: str
+    """Path of a Hugging Face checkpoint directory (config.json + *.safetensors)."""
+    dtype: str = "auto"
+    """Weights and KV dtype: auto (the checkpoint's, fp32 on CPU for fp16/bf16
+    checkpoints would change numerics, so auto keeps the stored dtype), float32,
+    float16 or bfloat16."""
+    device: str = "auto"
+    """`auto` picks CUDA when present, else CPU."""
+    role: Role = "aggregated"
+    """aggregated: whole requests. prefill: stop after the first token and keep
+    the request's blocks pinned for a handoff. decode: accept imported KV."""
+    logprobs_mode: LogprobsMode = "raw_logprobs"
+    """raw: log-softmax of the model's logits. processed: after temperature,
+    top-k and top-p."""
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError(f"model must be a checkpoint directory path, got {self.model!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        if self.role not in ("aggregated", "prefill", "decode"):
+            raise ValueError(f"role must be aggregated, prefill or decode, got {self.role!r}")
+        if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
+            raise ValueError(
+                f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}"
+            )

@@ -1,0 +1,257 @@
+"""The engine: `add_request` / `step` over scheduler → model runner → sampler → detokenizer.
+
+    step():  schedule ─▶ runner.execute ─▶ append tokens, stop checks ─▶ outputs
+                                        └▶ prefix-cache registration, frees / handoff pins
+
+Roles (see `EngineConfig.role`): an aggregated engine runs requests to the end;
+a prefill engine stops each request after its first token and keeps its blocks
+pinned until `release_handoff` (or the lease runs out); a decode engine also
+accepts requests whose prompt KV is imported (`add_imported_request`).
+
+Single-threaded: callers serialise access (the async front end runs every call
+on one executor thread).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.block_pool import BlockPool
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.model_runner import ModelRunner
+from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.parallel import ParallelState, init_parallel_state
+from splitserve.engine.request import GenerationResult, Request, RequestStatus
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.stop import StopChecker
+from splitserve.engine.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class PinnedHandoff:
+    """A prefill request's blocks, held for a decode peer until released."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    num_tokens: int
+    first_token_id: int
+    first_token_logprob: float | None
+    lease_deadline: float
+    """`time.monotonic()` after which the pins are dropped even without an ack."""
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, parallel_state: ParallelState | None = None, seed: int = 0):
+        self.config = config
+        self.model_config = ModelConfig.from_checkpoint(config.model)
+        self.tokenizer = _maybe_tokenizer(config.model)
+        self.ps = parallel_state or init_parallel_state(config.parallel)
+        self.runner = ModelRunner(config, self.model_config, self.ps, seed=seed)
+        cache = config.cache
+        self.block_size = cache.block_size_tokens
+        self.pool = BlockPool(self.runner.num_blocks, cache.prefix_caching_eviction_policy, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size)
+        limit = config.scheduler.max_sequence_length or self.model_config.max_position_embeddings
+        self.max_sequence_length = min(limit, self.model_config.max_position_embeddings)
+        self.eos_token_ids = self._eos_ids()
+        self._requests: dict[str, Request] = {}
+        self._stops: dict[str, StopChecker] = {}
+        self.handoffs: dict[str, PinnedHandoff] = {}
+        self._ids = itertools.count()
+
+    # ---------------------------------------------------------------- inputs
+    def next_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Raise ValueError for input the engine cannot serve; return max new tokens."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not prompt_token_ids:
+            raise ValueError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        prompt_len = len(prompt_token_ids)
+        if prompt_len >= self.max_sequence_length:
+            raise ValueError(
+                f"prompt has {prompt_len} tokens; the limit is {self.max_sequence_length - 1} "
+                f"(max_sequence_length {self.max_sequence_length} leaves room for one new token)"
+            )
+        max_new = params.max_new_tokens(prompt_len)
+        if max_new < 1:
+            raise ValueError(f"num_tokens_total={params.num_tokens_total} leaves no room after a {prompt_len}-token prompt")
+        max_new = min(max_new, self.max_sequence_length - prompt_len)
+        needed = -(-(prompt_len + max_new) // self.block_size)
+        if needed > self.pool.num_blocks:
+            raise ValueError(
+                f"prompt + {max_new} new tokens need {needed} KV blocks; the cache has {self.pool.num_blocks}"
+            )
+        if params.termination_id is not None and params.termination_id >= vocab:
+            raise ValueError(f"termination_id {params.termination_id} is outside the vocabulary [0, {vocab})")
+        return max_new
+
+    def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_new = self.validate(prompt_token_ids, params)
+        eos = (params.termination_id,) if params.termination_id is not None else self.eos_token_ids
+        req = Request(request_id, list(prompt_token_ids), params, () if params.ignore_eos else eos, max_new)
+        self._requests[request_id] = req
+        self._stops[request_id] = StopChecker(req, self.tokenizer)
+        return req
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.scheduler.add(self._new_request(request_id, prompt_token_ids, params))
+
+    def add_imported_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        first_token_id: int,
+        first_token_logprob: float | None,
+        import_kv: Callable[[list[int], int], None],
+    ) -> int:
+        """Decode role: admit a request whose prompt KV comes from a prefill peer.
+
+        `import_kv(block_ids, first_block)` fills blocks `first_block:` of the
+        new block table in `self.kv_caches`; blocks before that were found in our
+        own prefix cache. Returns the number of blocks reused from the cache.
+        """
+        req = self._new_request(request_id, prompt_token_ids, params)
+        try:
+            self.scheduler.add_imported(req, first_token_id, import_kv)
+        except BaseException:
+            self._forget(request_id)
+            raise
+        req.first_token_time = time.monotonic()
+        if params.return_log_probs and first_token_logprob is not None:
+            req.generated_log_probs.append(first_token_logprob)
+        self._stops[request_id].on_token(first_token_id)
+        return req.num_cached_tokens // self.block_size
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.runner.kv_caches
+
+    # ------------------------------------------------------------------ step
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[StepOutput]:
+        self._expire_handoffs()
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        results = self.runner.execute(out)
+        outputs = []
+        now = time.monotonic()
+        for chunk, res in zip(out.chunks, results, strict=True):
+            req = chunk.request
+            req.prompt_log_probs.extend(res.prompt_log_probs)
+            self.scheduler.update_computed(req, chunk.start + chunk.num_tokens)
+            if res.sample is None:
+                continue
+            token = res.sample.token_id
+            req.output_token_ids.append(token)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            if req.params.return_log_probs:
+                req.generated_log_probs.append(res.sample.logprob)
+            if res.sample.top_n is not None:
+                req.top_n_logprobs.append(res.sample.top_n)
+            delta, status = self._stops[req.request_id].on_token(token)
+            if status is None and self.config.role == "prefill":
+                status = RequestStatus.HANDOFF
+            if status is not None:
+                self._finish(req, status, res.sample.logprob)
+            outputs.append(StepOutput(req.request_id, (token,), delta, GenerationResult.from_request(req, req.status.is_finished)))
+        return outputs
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request wherever it is and free its blocks. False if unknown."""
+        released = self.release_handoff(request_id)
+        req = self.scheduler.abort(request_id)
+        if req is not None:
+            req.finish_time = time.monotonic()
+            self._forget(request_id)
+        return released or req is not None
+
+    def _finish(self, req: Request, status: RequestStatus, first_logprob: float | None) -> None:
+        blocks = self.scheduler.finish(req, status)
+        req.finish_time = time.monotonic()
+        if status is RequestStatus.HANDOFF:
+            self.handoffs[req.request_id] = PinnedHandoff(
+                req.request_id,
+                tuple(blocks),
+                req.prompt_len,
+                req.output_token_ids[0],
+                first_logprob,
+                time.monotonic() + self.config.cache.handoff_lease_s,
+            )
+        self._forget(req.request_id)
+
+    def _forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+        self._stops.pop(request_id, None)
+        self.runner.forget(request_id)
+
+    # -------------------------------------------------------------- handoffs
+    def release_handoff(self, request_id: str) -> bool:
+        """Drop a handoff's pins (the decode side's ack, a cancel, or lease expiry)."""
+        handoff = self.handoffs.pop(request_id, None)
+        if handoff is None:
+            return False
+        self.pool.unpin(reversed(handoff.block_ids))
+        return True
+
+    def _expire_handoffs(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, h in self.handoffs.items() if h.lease_deadline <= now]:
+            self.release_handoff(request_id)
+
+    # ------------------------------------------------------------ inspection
+    def check_integrity(self) -> None:
+        """Pool invariant plus: every in-use block is owned by a request or a pin."""
+        self.pool.check_integrity()
+        owned: dict[int, int] = {}
+        for req in self.scheduler.running:
+            for b in req.block_ids:
+                owned[b] = owned.get(b, 0) + 1
+        for handoff in self.handoffs.values():
+            for b in handoff.block_ids:
+                owned[b] = owned.get(b, 0) + 1
+        for b in range(self.pool.num_blocks):
+            if self.pool.ref_count(b) != owned.get(b, 0):
+                raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)} but {owned.get(b, 0)} owners")
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = list(self.model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return tuple(dict.fromkeys(ids))
+
+
+def _maybe_tokenizer(path: str) -> Tokenizer | None:
+    try:
+        return Tokenizer(path)
+    except FileNotFoundError:
+        return None

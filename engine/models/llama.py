@@ -1,0 +1,151 @@
+"""Llama-family decoder (Llama 2/3, Mistral w/o sliding window, Qwen2) over a paged KV cache.
+
+Tensor parallel (Megatron style): q/k/v and gate/up are split by output rows
+(heads / intermediate channels), o_proj and down_proj by input columns and
+summed with an all-reduce. Embedding and lm_head are replicated. Pipeline
+parallel: a stage owns layers [start, end); the first stage embeds, the last
+normalises and projects to the vocabulary.
+
+Shapes use a flat token batch: T tokens of several sequences, hidden [T, hidden].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        if cfg.num_heads % ps.tp_size:
+            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over tp={ps.tp_size}")
+        self.ps = ps
+        self.head_dim = cfg.head_dim
+        self.num_heads = cfg.num_heads // ps.tp_size
+        kv_start, kv_end = kv_heads_of_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
+        self.num_kv_heads = kv_end - kv_start
+        self.scale = cfg.head_dim**-0.5
+        d, h = cfg.head_dim, cfg.hidden_size
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        o = paged_attention(q, k, v, kv, meta, self.scale)
+        return self.ps.all_reduce_tp(self.o_proj(o.reshape(t, -1)))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        if cfg.intermediate_size % ps.tp_size:
+            raise ValueError(f"intermediate_size {cfg.intermediate_size} cannot be split over tp={ps.tp_size}")
+        self.ps = ps
+        inter = cfg.intermediate_size // ps.tp_size
+        self.gate_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ps.all_reduce_tp(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        self.self_attn = Attention(cfg, ps)
+        self.mlp = MLP(cfg, ps)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class CausalLM(nn.Module):
+    """One pipeline stage of the model on one tensor-parallel rank."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+        super().__init__()
+        self.cfg = cfg
+        self.ps = ps
+        self.layer_start, self.layer_end = stage_layer_range(cfg.num_layers, ps.pp_size, ps.pp_rank)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        needs_embed = ps.is_first_stage or (ps.is_last_stage and cfg.tie_word_embeddings)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embed else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, ps) for _ in range(self.layer_end - self.layer_start))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
+        self.lm_head = None
+        if ps.is_last_stage and not cfg.tie_word_embeddings:
+            self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def num_local_layers(self) -> int:
+        return self.layer_end - self.layer_start
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads if len(self.layers) else 0
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[torch.Tensor],
+        input_ids: torch.Tensor | None = None,
+        hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T] on the first stage, else `hidden` [T, hidden] from the previous stage."""
+        if self.ps.is_first_stage:
+            hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        for layer, kv in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(hidden, cos, sin, kv, meta)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
+        x = self.norm(hidden)
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+
+def build_model(cfg: ModelConfig, ps: ParallelState, path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """Construct without initialising weights (meta device), then load the checkpoint."""
+    from splitserve.engine.models.loader import load_weights
+
+    with torch.device("meta"):
+        model = CausalLM(cfg, ps)
+    model = model.to_empty(device=device)
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    load_weights(model, path, dtype, device)
+    return model

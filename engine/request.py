@@ -1,0 +1,120 @@
+"""A request's state inside the engine, and the results handed to callers."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from splitserve.engine.block_hash import BlockHash, hash_block
+from splitserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stopped"  # EOS / termination id / stop word
+    FINISHED_LENGTH = "length"  # token limit reached
+    FINISHED_ABORTED = "aborted"
+    HANDOFF = "handoff"  # prefill role: first token out, blocks pinned for a decode peer
+
+    @property
+    def is_finished(self) -> bool:
+        return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
+
+
+@dataclass
+class Request:
+    """Mutable per-request bookkeeping owned by the scheduler.
+
+    `num_computed_tokens` counts tokens of `all_token_ids` whose KV is in the
+    cache; the next forward computes `all_token_ids[num_computed_tokens:]`
+    (a prefill chunk, or the one token sampled last step).
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache (or imported by a handoff)."""
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    generated_log_probs: list[float] = field(default_factory=list)
+    prompt_log_probs: list[float] = field(default_factory=list)
+    top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    generated_text: str = ""
+    num_preemptions: int = 0
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.output_token_ids
+
+    @property
+    def wants_prompt_log_probs(self) -> bool:
+        return self.params.return_log_probs and not self.params.skip_prompt_log_probs
+
+    def extend_block_hashes(self, block_size: int) -> None:
+        """Hash every full block of `all_token_ids` not hashed yet."""
+        tokens = self.all_token_ids
+        while (len(self.block_hashes) + 1) * block_size <= len(tokens):
+            start = len(self.block_hashes) * block_size
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            self.block_hashes.append(hash_block(parent, tokens[start : start + block_size]))
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    """What `LLM.generate` returns for one prompt (fields of the reference design)."""
+
+    request_id: str
+    generated_text: str
+    generated_tokens: list[int]
+    prompt_length: int
+    status: str
+    prompt_tokens: list[int] | None = None
+    generated_log_probs: list[float] | None = None
+    prompt_log_probs: list[float] | None = None
+    top_n_logprobs: list[dict[int, float]] | None = None
+    ttft: float | None = None
+    """Seconds from arrival to the first generated token."""
+    num_cached_tokens: int = 0
+    is_finished: bool = True
+
+    @classmethod
+    def from_request(cls, req: Request, is_finished: bool = True) -> GenerationResult:
+        params = req.params
+        return cls(
+            request_id=req.request_id,
+            generated_text=req.generated_text,
+            generated_tokens=list(req.output_token_ids),
+            prompt_length=req.prompt_len,
+            status=req.status.value,
+            prompt_tokens=list(req.prompt_token_ids) if params.return_prompt_tokens else None,
+            generated_log_probs=list(req.generated_log_probs) if params.return_log_probs else None,
+            prompt_log_probs=list(req.prompt_log_probs) if req.wants_prompt_log_probs else None,
+            top_n_logprobs=list(req.top_n_logprobs) if params.top_n_logprobs else None,
+            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
+            num_cached_tokens=req.num_cached_tokens,
+            is_finished=is_finished,
+        )

@@ -1,0 +1,76 @@
+"""Sampling: greedy, temperature, top-k, top-p with per-request seeded generators,
+and log-probs (raw or processed) of chosen, prompt and top-N tokens.
+
+Logits arrive as float32 [N, vocab]; one row per sampled request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    token_id: int
+    logprob: float | None = None
+    top_n: dict[int, float] | None = None
+
+
+def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """One row [vocab] -> logits after temperature, top-k and top-p (masked to -inf)."""
+    x = logits / params.temperature if params.temperature > 0 else logits.clone()
+    if params.top_k > 0 and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k).values[-1]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if 0.0 < params.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the first always stays.
+        drop = (torch.cumsum(probs, dim=-1) - probs) >= params.top_p
+        drop[0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return x
+
+
+def sample_row(
+    logits: torch.Tensor,
+    params: SamplingParams,
+    generator: torch.Generator | None,
+    logprobs_mode: str,
+) -> SampleResult:
+    """logits [vocab] float32 -> the next token (and its log-probs when asked)."""
+    if params.is_greedy:
+        token = int(torch.argmax(logits))
+        processed = None
+    else:
+        processed = process_logits(logits, params)
+        probs = torch.softmax(processed, dim=-1)
+        token = int(torch.multinomial(probs, 1, generator=generator))
+    if not params.return_log_probs and not params.top_n_logprobs:
+        return SampleResult(token)
+    basis = processed if (logprobs_mode == "processed_logprobs" and processed is not None) else logits
+    logprobs = torch.log_softmax(basis, dim=-1)
+    top_n = None
+    if params.top_n_logprobs:
+        values, ids = torch.topk(logprobs, params.top_n_logprobs)
+        top_n = {int(i): float(v) for i, v in zip(ids.tolist(), values.tolist(), strict=True)}
+    return SampleResult(token, float(logprobs[token]), top_n)
+
+
+def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int]) -> list[float]:
+    """logits [n, vocab] at positions p..p+n-1 and the tokens at p+1..p+n -> their log-probs."""
+    if not next_token_ids:
+        return []
+    logprobs = torch.log_softmax(logits[: len(next_token_ids)], dim=-1)
+    ids = torch.tensor(next_token_ids, device=logits.device)
+    return logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator

@@ -1,0 +1,53 @@
+"""Per-request stop conditions and incremental text: EOS / termination id,
+token limit, and stop words (matched on the detokenized text)."""
+
+from __future__ import annotations
+
+from splitserve.engine.request import Request, RequestStatus
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class StopChecker:
+    def __init__(self, req: Request, tokenizer: Tokenizer | None):
+        self.req = req
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, req.prompt_token_ids) if tokenizer else None
+        self._max_stop_len = max((len(w) for w in req.params.stop_words), default=0)
+        if req.params.stop_words and tokenizer is None:
+            raise ValueError("stop_words need a tokenizer; this model directory has no tokenizer.json")
+
+    def on_token(self, token_id: int) -> tuple[str, RequestStatus | None]:
+        """Account for a newly generated token; return (text delta, finish status or None)."""
+        req, params = self.req, self.req.params
+        is_eos = token_id in req.eos_token_ids
+        delta = ""
+        if self.detok is not None:
+            if is_eos and params.detokenize_stop_sequence:
+                delta = self.tokenizer.id_to_token(token_id) or ""
+            elif not is_eos:
+                delta = self.detok.add(token_id)
+        before = len(req.generated_text)
+        req.generated_text += delta
+        if is_eos:
+            return delta, RequestStatus.FINISHED_STOPPED
+        if self._max_stop_len and delta:
+            status = self._match_stop_word(before, len(delta))
+            if status is not None:
+                return req.generated_text[before:], status
+        if len(req.output_token_ids) >= req.max_new_tokens:
+            return delta, RequestStatus.FINISHED_LENGTH
+        return delta, None
+
+    def _match_stop_word(self, before: int, delta_len: int) -> RequestStatus | None:
+        text = self.req.generated_text
+        window_start = max(0, before - self._max_stop_len + 1)
+        best = None
+        for word in self.req.params.stop_words:
+            at = text.find(word, window_start)
+            if at != -1 and (best is None or at < best[0]):
+                best = (at, word)
+        if best is None:
+            return None
+        at, word = best
+        self.req.generated_text = text[: at + len(word)] if self.req.params.detokenize_stop_sequence else text[:at]
+        return RequestStatus.FINISHED_STOPPED

@@ -1,0 +1,98 @@
+"""Tokenizer (Hugging Face `tokenizers` fast tokenizer), chat template, and
+incremental detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    """Reads `tokenizer.json` and, when present, `tokenizer_config.json`."""
+
+    def __init__(self, path: str | Path):
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {str(path)!r}; pass token ids instead of text")
+        self._tok = _HFTokenizer.from_file(str(file))
+        config: dict[str, Any] = {}
+        if (path / "tokenizer_config.json").is_file():
+            config = json.loads((path / "tokenizer_config.json").read_text())
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.chat_template: str | None = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take the default one
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default")
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size()
+
+    def encode(self, text: str, add_bos: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):
+            ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra) -> str:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template in tokenizer_config.json")
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        template = env.from_string(self.chat_template)
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+            **extra,
+        )
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    Decodes a small window (`prefix_offset:`) rather than the whole output, and
+    holds text back while it ends in an incomplete UTF-8 sequence (U+FFFD).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        self._ids = list(prompt_ids[-4:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+
+    def add(self, token_id: int) -> str:
+        self._ids.append(token_id)
+        prefix = self._tokenizer.decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._tokenizer.decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(prefix) :]
