@@ -59,6 +59,8 @@ class ModelConfig:
             raise ValueError(f"unsupported model_type {cfg.get('model_type')!r}; supported: {sorted(_MODEL_TYPES)}")
         if cfg.get("use_sliding_window") or (family == "llama" and cfg.get("sliding_window")):
             raise ValueError("sliding-window attention is not supported yet")
+        if family == "llama" and (cfg.get("attention_bias") or cfg.get("mlp_bias")):
+            raise ValueError("attention_bias / mlp_bias on Llama (biased o_proj / MLP) is not supported yet")
         if cfg.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {cfg['hidden_act']!r}; only 'silu'")
         num_heads = int(cfg["num_attention_heads"])
@@ -80,7 +82,7 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            qkv_bias=family == "qwen2",
             rope_theta=rope_theta,
             rope_scaling=None if rope_type == "default" else rope,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"),

@@ -75,11 +75,16 @@ def _local_name(name: str, model: CausalLM) -> str | None:
 def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
+    unexpected: list[str] = []
     for file in checkpoint_files(Path(path)):
         with safe_open(str(file), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 local = _local_name(name, model)
-                if local is None or local not in params:
+                if local is None or local.endswith("rotary_emb.inv_freq"):
+                    continue
+                if local not in params:
+                    if not _is_other_stage(local, model):
+                        unexpected.append(name)
                     continue
                 shard = _shard(name, model)
                 if shard is None:
@@ -96,8 +101,15 @@ def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: 
                     )
                 param.data = tensor.to(device=device, dtype=dtype)
                 loaded.add(local)
+    if unexpected:
+        raise ValueError(f"checkpoint {str(path)!r} has weights this model does not use: {unexpected[:5]}")
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     # Buffers stay as built (the rotary inverse frequencies remain float32, as in HF).
     model.eval()
+
+
+def _is_other_stage(local: str, model: CausalLM) -> bool:
+    """Embedding / final norm / lm_head tensors that another pipeline stage owns."""
+    return local.split(".")[0] in ("embed_tokens", "norm", "lm_head")

@@ -1,0 +1,136 @@
+"""Exact-state tests of the block pool and prefix cache."""
+
+import pytest
+
+from splitserve.engine.block_hash import hash_block, hash_blocks
+from splitserve.engine.block_pool import BlockPool, NoFreeBlocksError
+
+
+def _state(pool: BlockPool):
+    s = pool.stats()
+    return s.num_free, s.num_cached, s.num_in_use, s.num_pinned
+
+
+def test_chained_hashes_identify_the_whole_prefix():
+    a = hash_blocks([1, 2, 3, 4, 5, 6, 7], block_size=2)
+    b = hash_blocks([1, 2, 3, 4, 9, 9], block_size=2)
+    c = hash_blocks([0, 2, 3, 4], block_size=2)
+    assert len(a) == 3 and len(b) == 3  # the partial tail is not hashed
+    assert a[:2] == b[:2] and a[2] != b[2]
+    assert c[1] != a[1]  # same block tokens, different parent
+    assert a[1] == hash_block(a[0], [3, 4])
+
+
+def test_allocate_free_exact_state():
+    pool = BlockPool(4, "lru")
+    assert pool.allocate(3) == [0, 1, 2]
+    assert [pool.ref_count(b) for b in range(4)] == [1, 1, 1, 0]
+    assert _state(pool) == (1, 0, 3, 0)
+    pool.free([2, 1, 0])
+    assert _state(pool) == (4, 0, 0, 0)
+    assert list(pool._free) == [3, 2, 1, 0]
+    with pytest.raises(NoFreeBlocksError, match="asked for 5 blocks, 4 available"):
+        pool.allocate(5)
+    with pytest.raises(ValueError, match="double free of block 3"):
+        pool.free([3])
+    pool.check_integrity()
+
+
+def test_lru_keeps_cached_blocks_until_space_is_needed():
+    pool = BlockPool(3, "lru")
+    h = hash_blocks(list(range(8)), 4)
+    blocks = pool.allocate(2)
+    pool.register(blocks[0], h[0], None)
+    pool.register(blocks[1], h[1], h[0])
+    pool.free(reversed(blocks))
+    assert _state(pool) == (1, 2, 0, 0)
+    assert list(pool._evictable) == [1, 0]  # tail block first in eviction order
+    assert pool.lookup(h) == [0, 1]
+    pool.ref([0])  # a hit revives block 0
+    assert _state(pool) == (1, 1, 1, 0) and pool.ref_count(0) == 1
+    # Needing 2 blocks takes the free one, then evicts block 1 (its hash goes).
+    assert pool.allocate(2) == [2, 1]
+    assert pool.lookup(h) == [0] and pool.hash_of(1) is None
+    events = pool.drain_events()
+    assert [e.kind for e in events] == ["stored", "stored", "removed"]
+    assert events[2].block_hashes == (h[1],)
+    pool.free([0, 1, 2])
+    pool.check_integrity()
+    assert _state(pool) == (2, 1, 0, 0)
+
+
+def test_ref_zero_drops_cache_entries_immediately():
+    pool = BlockPool(2, "ref_zero")
+    h = hash_blocks([1, 2], 2)
+    [b] = pool.allocate(1)
+    pool.register(b, h[0], None)
+    pool.ref([b])  # a second request shares it
+    assert pool.lookup(h) == [b] and pool.ref_count(b) == 2
+    pool.free([b])
+    assert pool.lookup(h) == [b]  # still referenced, still shared
+    pool.free([b])
+    assert pool.lookup(h) == [] and _state(pool) == (2, 0, 0, 0)
+    pool.check_integrity()
+
+
+def test_duplicate_registration_keeps_the_first_block():
+    pool = BlockPool(2)
+    h = hash_blocks([5, 5], 2)[0]
+    a, b = pool.allocate(2)
+    pool.register(a, h, None)
+    pool.register(b, h, None)
+    assert pool.hash_of(a) == h and pool.hash_of(b) is None
+    pool.free([b, a])
+    assert _state(pool) == (1, 1, 0, 0)
+    pool.check_integrity()
+
+
+def test_pins_are_references_without_an_owner():
+    pool = BlockPool(3)
+    blocks = pool.allocate(2)
+    pool.pin(blocks)
+    pool.free(blocks)  # the request lets go; the pin holds the blocks
+    assert _state(pool) == (1, 0, 2, 2)
+    with pytest.raises(NoFreeBlocksError):
+        pool.allocate(2)
+    pool.unpin(blocks)
+    assert _state(pool) == (3, 0, 0, 0)
+    with pytest.raises(ValueError, match="not pinned"):
+        pool.unpin([0])
+    pool.check_integrity()
+
+
+def test_ref_of_a_free_block_is_refused():
+    pool = BlockPool(2)
+    with pytest.raises(ValueError, match="block 0 is free"):
+        pool.ref([0])
+
+
+def test_integrity_check_catches_corruption():
+    pool = BlockPool(3)
+    pool.allocate(1)
+    pool._free.append(0)  # simulate a bug: block 0 both free and in use
+    with pytest.raises(AssertionError, match="two states"):
+        pool.check_integrity()
+
+
+def test_caching_disabled_never_hits():
+    pool = BlockPool(2, enable_caching=False)
+    [b] = pool.allocate(1)
+    h = hash_blocks([1, 1], 2)
+    pool.register(b, h[0], None)
+    assert pool.lookup(h) == [] and pool.hash_of(b) is None
+    pool.free([b])
+    assert _state(pool) == (2, 0, 0, 0)
+
+
+def test_reset_prefix_cache_clears_idle_blocks():
+    pool = BlockPool(2)
+    [b] = pool.allocate(1)
+    pool.register(b, hash_blocks([1, 2], 2)[0], None)
+    pool.free([b])
+    pool.drain_events()
+    pool.reset_prefix_cache()
+    assert _state(pool) == (2, 0, 0, 0)
+    assert [e.kind for e in pool.drain_events()] == ["cleared"]
+    pool.check_integrity()

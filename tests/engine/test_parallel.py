@@ -1,0 +1,61 @@
+"""TP and PP engines (one process per rank, gloo) produce the same tokens as one rank."""
+
+import pytest
+import torch
+from conftest import build_hf_checkpoint
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.launch import generate_on_ranks
+from splitserve.engine.parallel import kv_heads_of_rank, stage_layer_range
+
+OPTIONS = dict(block_size_tokens=8, num_blocks=128, max_tokens=24)
+PARAMS = SamplingParams(num_tokens_to_generate=32, temperature=0.0, ignore_eos=True, return_log_probs=True)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 40, 17)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    path = tmp_path_factory.mktemp("par")
+    build_hf_checkpoint(path, "qwen2", num_hidden_layers=3)  # odd layer count: uneven PP split
+    return str(path), LLM(str(path), **OPTIONS).generate(_prompts(), PARAMS)
+
+
+def _check(reference, tp, pp):
+    path, expected = reference
+    results = generate_on_ranks(path, _prompts(), PARAMS, tp, pp, **OPTIONS)
+    for ours, ref in zip(results, expected, strict=True):
+        assert ours.generated_tokens == ref.generated_tokens
+        assert max(abs(a - b) for a, b in zip(ours.generated_log_probs, ref.generated_log_probs, strict=True)) < 1e-4
+
+
+def test_tensor_parallel_2(reference):
+    _check(reference, tp=2, pp=1)
+
+
+def test_pipeline_parallel_2(reference):
+    _check(reference, tp=1, pp=2)
+
+
+@pytest.mark.slow
+def test_tp4_replicated_kv_heads_and_tp2_pp2(reference):
+    _check(reference, tp=4, pp=1)  # 2 kv heads over 4 ranks: each head held twice
+    _check(reference, tp=2, pp=2)
+
+
+def test_layouts():
+    assert [stage_layer_range(5, 2, r) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [kv_heads_of_rank(8, 4, r) for r in range(4)] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert [kv_heads_of_rank(2, 4, r) for r in range(4)] == [(0, 1), (0, 1), (1, 2), (1, 2)]
+    with pytest.raises(ValueError, match="multiple of 2 kv heads"):
+        kv_heads_of_rank(2, 3, 0)
+    with pytest.raises(ValueError, match="exceeds the model's 2 layers"):
+        stage_layer_range(2, 4, 0)
+
+
+def test_parallel_config_without_a_process_group_is_refused(reference):
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):
+        LLM(reference[0], tensor_parallel_size=2, **OPTIONS)
