@@ -65,6 +65,8 @@ class LLM:
 
     def encode(self, prompt: Prompt, params: SamplingParams) -> list[int]:
         if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
             if self.engine.tokenizer is None:
                 raise ValueError("this model has no tokenizer.json; pass token ids instead of text")
             return self.engine.tokenizer.encode(prompt, add_bos=params.add_BOS)
@@ -175,10 +177,10 @@ class AsyncLLM:
             self.engine.validate(self._sync.encode(p, params), params)
 
         async def last(p: Prompt) -> GenerationResult:
-            result = None
-            async for result in self.stream(p, params):
-                pass
-            return result
+            final = None
+            async for partial in self.stream(p, params):
+                final = partial
+            return final
 
         return list(await asyncio.gather(*(last(p) for p in normalised)))
 

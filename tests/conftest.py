@@ -50,3 +50,40 @@ def llama_ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama")
     build_hf_checkpoint(path, "llama")
     return path
+
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(path, vocab_size: int = 400):
+    """A small byte-level BPE tokenizer trained on a few lines, saved beside a checkpoint."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    corpus = ["def hello(world): return world + 1", "the quick brown fox jumps over the lazy dog"] * 20
+    tok.train_from_iterator(corpus, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "chat_template": CHAT_TEMPLATE})
+    )
+
+
+@pytest.fixture(scope="session")
+def text_ckpt(tmp_path_factory):
+    """A random Llama with a real tokenizer (eos = </s> = id 2)."""
+    path = tmp_path_factory.mktemp("text")
+    build_hf_checkpoint(path, "llama", eos_token_id=2, bos_token_id=1)
+    build_tokenizer(path)
+    return path

@@ -1,0 +1,50 @@
+"""`splitserve` command line: one entry point, one subcommand per job.
+
+    splitserve generate [--model DIR] [--prompt TEXT ...] [--json]   offline generation
+    splitserve control-plane --etcd HOST:PORT --inference-shards SPEC  cluster control plane
+
+Subcommands register themselves through `add_arguments(parser)` + `run(args)`
+so that light processes (control plane, router, gateway) never import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help). Modules are imported only when chosen.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("splitserve.engine.generate_cli", "generate text offline with one engine (TP/PP via --tp/--pp)"),
+    "control-plane": ("splitserve.control_plane.cli", "run the gRPC control plane (etcd-backed shard assignment)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="splitserve",
+        description="Disaggregated prefill/decode LLM serving. Every subcommand has its own --help.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in SUBCOMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if not argv or argv[0] not in SUBCOMMANDS:
+        args = parser.parse_args(argv)  # prints help / the error for unknown commands
+        parser.print_help()
+        return 2
+    name = argv[0]
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    sub = argparse.ArgumentParser(prog=f"splitserve {name}", description=module.__doc__.split("\n\n")[0])
+    module.add_arguments(sub)
+    args = sub.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

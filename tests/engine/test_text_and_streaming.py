@@ -1,0 +1,103 @@
+"""Text in, text out: tokenization with BOS, incremental detokenization, stop words,
+chat templates, and the async streaming API."""
+
+import asyncio
+
+import pytest
+
+from splitserve import LLM, AsyncLLM, SamplingParams
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+OPTIONS = dict(block_size_tokens=4, num_blocks=128, max_tokens=32)
+
+
+@pytest.fixture(scope="module")
+def llm(text_ckpt):
+    return LLM(str(text_ckpt), **OPTIONS)
+
+
+def test_incremental_detokenization_reassembles_the_text(text_ckpt):
+    tok = Tokenizer(text_ckpt)
+    text = "def hello(world): return world + 1 — ünïcode ✓"
+    ids = tok.encode(text, add_bos=False)
+    detok = IncrementalDetokenizer(tok, [])
+    assert "".join(detok.add(i) for i in ids) == text
+    assert tok.encode("the fox")[0] == tok.bos_token_id == 1
+    assert tok.encode("the fox", add_bos=False)[0] != 1
+
+
+def test_text_prompts_and_streamed_deltas(llm):
+    params = SamplingParams(num_tokens_to_generate=12, temperature=0.0, ignore_eos=True)
+    [r] = llm.generate("the quick brown", params)
+    assert r.generated_text == llm.tokenizer.decode(r.generated_tokens)
+    assert r.prompt_length == len(llm.tokenizer.encode("the quick brown"))
+
+    async def stream():
+        allm = AsyncLLM(llm.engine.config.model, **OPTIONS)
+        parts, last = [], None
+        async for partial in allm.stream("the quick brown", params):
+            parts.append(partial)
+            last = partial
+        await allm.close()
+        return parts, last
+
+    parts, last = asyncio.run(stream())
+    assert [len(p.generated_tokens) for p in parts] == list(range(1, 13))
+    assert last.is_finished and not any(p.is_finished for p in parts[:-1])
+    assert last.generated_tokens == r.generated_tokens and last.generated_text == r.generated_text
+
+
+def test_stop_words_cut_the_text(llm):
+    base = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
+    [free] = llm.generate("def hello", base)
+    text = free.generated_text
+    word = text[len(text) // 2 : len(text) // 2 + 2]
+    assert word.strip(), f"need a visible stop word from {text!r}"
+    at = text.index(word)
+    [cut] = llm.generate("def hello", SamplingParams(num_tokens_to_generate=24, temperature=0.0, stop_words=[word]))
+    assert cut.generated_text == text[:at] and cut.status == "stopped"
+    kept = SamplingParams(num_tokens_to_generate=24, temperature=0.0, stop_words=[word], detokenize_stop_sequence=True)
+    [with_word] = llm.generate("def hello", kept)
+    assert with_word.generated_text == text[: at + len(word)]
+    llm.engine.check_integrity()
+
+
+def test_async_generate_returns_batch_in_order(text_ckpt):
+    async def run():
+        allm = AsyncLLM(str(text_ckpt), **OPTIONS)
+        results = await allm.generate(["the", "def hello(world)", [1, 5, 6]], SamplingParams(num_tokens_to_generate=5, temperature=0.0))
+        with pytest.raises(ValueError, match="prompt is empty"):
+            await allm.generate(["fine", ""], SamplingParams(num_tokens_to_generate=5))
+        await allm.close()
+        return allm, results
+
+    allm, results = asyncio.run(run())
+    sync = LLM(str(text_ckpt), **OPTIONS).generate(["the", "def hello(world)", [1, 5, 6]], SamplingParams(num_tokens_to_generate=5, temperature=0.0))
+    assert [r.generated_tokens for r in results] == [r.generated_tokens for r in sync]
+    assert not allm.engine.has_unfinished()
+    allm.engine.check_integrity()
+
+
+def test_abandoned_stream_frees_its_blocks(text_ckpt):
+    async def run():
+        allm = AsyncLLM(str(text_ckpt), **OPTIONS)
+        params = SamplingParams(num_tokens_to_generate=50, temperature=0.0, ignore_eos=True)
+        agen = allm.stream("the quick brown fox", params)
+        async for partial in agen:
+            if len(partial.generated_tokens) == 3:
+                break
+        await agen.aclose()
+        await asyncio.sleep(0.05)
+        await allm.close()
+        return allm
+
+    allm = asyncio.run(run())
+    assert not allm.engine.has_unfinished()
+    assert allm.engine.pool.stats().num_in_use == 0
+    allm.engine.check_integrity()
+
+
+def test_chat_template_renders(text_ckpt):
+    tok = Tokenizer(text_ckpt)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert text == "<|user|>hi</s><|assistant|>"

@@ -1,0 +1,81 @@
+"""The package layout: one `splitserve` namespace, import rules, CLI help."""
+
+import subprocess
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def test_every_package_folder_is_installed():
+    setup = _pyproject()["tool"]["setuptools"]
+    listed = set(setup["packages"])
+    dirs = setup["package-dir"]
+    for name, folder in dirs.items():
+        for init in (ROOT / folder).rglob("__init__.py"):
+            rel = init.parent.relative_to(ROOT / folder)
+            dotted = name + ("" if rel == Path(".") else "." + ".".join(rel.parts))
+            assert dotted in listed, f"{dotted} ({init.parent}) is missing from [tool.setuptools] packages"
+
+
+def test_torch_pin_admits_only_the_local_cpu_build():
+    deps = _pyproject()["project"]["dependencies"]
+    torch_req = next(d for d in deps if d.startswith("torch"))
+    assert "<=2.13.0" in torch_req, torch_req
+
+
+@pytest.mark.slow
+def test_wheel_puts_nothing_generic_at_the_top(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True,
+    )
+    [wheel] = tmp_path.glob("splitserve-*.whl")
+    tops = {n.split("/")[0] for n in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"splitserve", "splitserve-0.1.0.dist-info"}, tops
+
+
+def test_import_rules_hold():
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "check_imports.py")], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_light_package_import_does_not_load_torch():
+    code = "import sys, splitserve, splitserve.router, splitserve.control_plane; assert 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("command", [[], ["generate"], ["control-plane"]])
+def test_cli_help_runs(command):
+    out = subprocess.run([sys.executable, "-m", "splitserve", *command, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "usage: splitserve" in out.stdout
+
+
+def test_every_cli_option_has_help():
+    import argparse
+    import importlib
+
+    from splitserve.cli import SUBCOMMANDS
+
+    for name, (module, _) in SUBCOMMANDS.items():
+        parser = argparse.ArgumentParser()
+        importlib.import_module(module).add_arguments(parser)
+        undocumented = [a.dest for a in parser._actions if not a.help]
+        assert not undocumented, f"splitserve {name}: options without help: {undocumented}"
+
+
+def test_cli_reports_bad_input_without_a_traceback(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "splitserve", "generate", "--model", str(tmp_path / "none")], capture_output=True, text=True
+    )
+    assert out.returncode == 2
+    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
