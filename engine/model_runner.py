@@ -142,11 +142,16 @@ class ModelRunner:
             spans.append((first, len(rows)))
             offset += chunk.num_tokens
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        # Plain greedy rows (the common case) share one argmax and one host sync.
+        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
         results = []
         for chunk, (first, last) in zip(out.chunks, spans, strict=True):
             req = chunk.request
             sample = None
-            if chunk.is_sample:
+            params = req.params
+            if chunk.is_sample and params.is_greedy and not params.return_log_probs and not params.top_n_logprobs:
+                sample = SampleResult(greedy[last - 1])
+            elif chunk.is_sample:
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode)
             plp: list[float] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
