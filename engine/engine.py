@@ -157,7 +157,10 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[StepOutput]:
-        self._expire_handoffs()
+        if self.ps.world_size == 1:
+            # On a rank group, clocks differ per rank: the group's driver decides
+            # expiry and broadcasts releases (see `EngineLoop`), keeping ranks in step.
+            self.release_expired_handoffs()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -223,9 +226,12 @@ class Engine:
         self.pool.unpin(reversed(handoff.block_ids))
         return True
 
-    def _expire_handoffs(self) -> None:
-        now = time.monotonic()
-        for request_id in [r for r, h in self.handoffs.items() if h.lease_deadline <= now]:
+    def expired_handoffs(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        return [r for r, h in self.handoffs.items() if h.lease_deadline <= now]
+
+    def release_expired_handoffs(self) -> None:
+        for request_id in self.expired_handoffs():
             self.release_handoff(request_id)
 
     # ------------------------------------------------------------ inspection

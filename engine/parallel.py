@@ -83,6 +83,31 @@ class ParallelState:
         dist.broadcast_object_list(box, src=self.driver_rank)
         return box[0]
 
+    def broadcast_from_first(self, obj: Any) -> Any:
+        """Send a picklable object from global rank 0 (the group's gRPC front) to every rank."""
+        if self.world_size == 1:
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_true(self, flag: bool) -> bool:
+        """True on every rank iff `flag` is true on every rank (a group-wide vote)."""
+        if self.world_size == 1:
+            return flag
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        return bool(t.item())
+
+    def gather_to_first(self, obj: Any) -> list[Any] | None:
+        """Every rank's `obj`, by rank, on global rank 0 (None elsewhere)."""
+        if self.world_size == 1:
+            return [obj]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
+
     def check_same_everywhere(self, obj: Any) -> None:
         """Debug helper: raise if ranks disagree on `obj` (schedule divergence)."""
         if self.world_size == 1:

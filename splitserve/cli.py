@@ -40,7 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     name = argv[0]
     module = importlib.import_module(SUBCOMMANDS[name][0])
-    sub = argparse.ArgumentParser(prog=f"splitserve {name}", description=module.__doc__.split("\n\n")[0])
+    sub = argparse.ArgumentParser(
+        prog=f"splitserve {name}",
+        description=getattr(module, "DESCRIPTION", None) or module.__doc__.split("\n\n")[0],
+        epilog=getattr(module, "EPILOG", None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     module.add_arguments(sub)
     args = sub.parse_args(argv[1:])
     return int(module.run(args) or 0)

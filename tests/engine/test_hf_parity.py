@@ -4,9 +4,9 @@ greedy tokens identical for 32+ new tokens over a mixed-length batch, log-probs
 
 import pytest
 import torch
-from conftest import build_hf_checkpoint
 
 from splitserve import LLM, SamplingParams
+from tests.fixtures.models import build_hf_checkpoint
 
 torch.set_num_threads(1)
 

@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from conftest import build_hf_checkpoint
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.launch import generate_on_ranks
 from splitserve.engine.parallel import kv_heads_of_rank, stage_layer_range
+from tests.fixtures.models import build_hf_checkpoint
 
 OPTIONS = dict(block_size_tokens=8, num_blocks=128, max_tokens=24)
 PARAMS = SamplingParams(num_tokens_to_generate=32, temperature=0.0, ignore_eos=True, return_log_probs=True)
