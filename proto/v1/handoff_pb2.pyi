@@ -64,7 +64,7 @@ class UnitChecksum(_message.Message):
     def __init__(self, layer: _Optional[int] = ..., kv_head: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
 
 class HandoffDescriptor(_message.Message):
-    __slots__ = ("request_id", "model_fingerprint", "layout", "rank_blocks", "num_tokens", "transport_kind", "rank_endpoints", "first_token_id", "first_token_logprob", "first_token_top_logprobs", "lease_deadline_unix_ms", "unit_checksums")
+    __slots__ = ("request_id", "model_fingerprint", "layout", "rank_blocks", "num_tokens", "transport_kind", "rank_endpoints", "first_token_id", "first_token_logprob", "first_token_top_logprobs", "lease_deadline_unix_ms", "unit_checksums", "block_checksums")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +77,7 @@ class HandoffDescriptor(_message.Message):
     FIRST_TOKEN_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     UNIT_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     model_fingerprint: str
     layout: KVLayout
@@ -89,4 +90,5 @@ class HandoffDescriptor(_message.Message):
     first_token_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
     lease_deadline_unix_ms: int
     unit_checksums: _containers.RepeatedCompositeFieldContainer[UnitChecksum]
-    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rank_blocks: _Optional[_Iterable[_Union[RankBlocks, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., transport_kind: _Optional[str] = ..., rank_endpoints: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., unit_checksums: _Optional[_Iterable[_Union[UnitChecksum, _Mapping]]] = ...) -> None: ...
+    block_checksums: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., rank_blocks: _Optional[_Iterable[_Union[RankBlocks, _Mapping]]] = ..., num_tokens: _Optional[int] = ..., transport_kind: _Optional[str] = ..., rank_endpoints: _Optional[_Iterable[_Union[RankEndpoint, _Mapping]]] = ..., first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., first_token_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., lease_deadline_unix_ms: _Optional[int] = ..., unit_checksums: _Optional[_Iterable[_Union[UnitChecksum, _Mapping]]] = ..., block_checksums: _Optional[_Iterable[int]] = ...) -> None: ...

@@ -1,0 +1,222 @@
+"""The handoff, engine side: the descriptor a prefill engine publishes, and the
+importer a decode engine runs to pull and verify it.
+
+    prefill group                                   decode group
+    ─────────────                                   ────────────
+    request hits its first token -> blocks pinned
+    every rank: partial block checksums ─sum─▶ rank 0 builds HandoffDescriptor ──(router)──▶
+                                                    every rank: plan = build_plan(src, dst, ...)
+                                                                pull its ops (NIXL / in-proc)
+                                                                partial checksums of pulled blocks
+                                                    all ranks vote + sum ─▶ verify ─▶ continue
+
+Block checksums: for block b, `sum over units u of m_u * c(u, b)` (mod a prime),
+where a unit is one (global layer, global kv head), `c` a position-weighted sum
+of the unit's 16-bit words in that block, and `m_u` a per-unit multiplier (so
+swapped heads are caught). The sum makes it independent of how units are split
+over ranks, so any TP/PP layout computes the same value, and being per block it
+lets a decode side that reused some cached blocks verify exactly what it pulled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.transfer.layout import KVLayout
+from splitserve.engine.transfer.plan import build_plan
+from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats
+
+PRIME = (1 << 31) - 1
+
+
+class ChecksumMismatchError(TransferError):
+    """Pulled KV does not match what the prefill side computed."""
+
+
+@dataclass(frozen=True)
+class RankEndpoint:
+    rank: int
+    address: str
+    agent_metadata: bytes
+
+
+@dataclass(frozen=True)
+class HandoffDescriptor:
+    """Everything a decode group needs to pull one request's KV (mirrors the proto)."""
+
+    request_id: str
+    model_fingerprint: str
+    layout: KVLayout
+    rank_block_ids: dict[int, tuple[int, ...]]
+    num_tokens: int
+    transport_kind: str
+    endpoints: dict[int, RankEndpoint]
+    first_token_id: int
+    lease_deadline_unix_ms: int
+    block_checksums: tuple[int, ...]
+    first_token_logprob: float | None = None
+    first_token_top_logprobs: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 1:
+            raise ValueError(f"handoff of {self.num_tokens!r} tokens")
+        if sorted(self.rank_block_ids) != list(range(self.layout.world_size)):
+            raise ValueError(f"block ids for ranks {sorted(self.rank_block_ids)}, layout has {self.layout.world_size}")
+        num_blocks = -(-self.num_tokens // self.layout.block_size)
+        if any(len(ids) != num_blocks for ids in self.rank_block_ids.values()):
+            raise ValueError(f"{self.num_tokens} tokens need {num_blocks} blocks per rank")
+        if len(self.block_checksums) != num_blocks:
+            raise ValueError(f"{len(self.block_checksums)} block checksums for {num_blocks} blocks")
+
+
+def engine_layout(engine) -> KVLayout:
+    """The KV layout of an engine (identical on all its ranks)."""
+    cfg, ps = engine.model_config, engine.ps
+    from splitserve.engine.parallel import stage_layer_range
+
+    return KVLayout(
+        dtype=str(engine.runner.dtype).removeprefix("torch."),
+        block_size=engine.block_size,
+        tp=ps.tp_size,
+        pp=ps.pp_size,
+        num_layers=cfg.num_layers,
+        num_kv_heads=cfg.num_kv_heads,
+        head_dim=cfg.head_dim,
+        layer_ranges=tuple(stage_layer_range(cfg.num_layers, ps.pp_size, s) for s in range(ps.pp_size)),
+    )
+
+
+def model_fingerprint(model_dir: str) -> str:
+    """Architecture + weights identity: config.json bytes and each weight file's name and size."""
+    path = Path(model_dir)
+    digest = hashlib.sha256((path / "config.json").read_bytes())
+    for f in sorted(path.glob("*.safetensors")):
+        digest.update(f"{f.name}:{f.stat().st_size}".encode())
+    return digest.hexdigest()[:32]
+
+
+# ------------------------------------------------------------------ checksums
+def _words(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
+
+
+def partial_block_checksums(
+    kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int, block_ids: Sequence[int]
+) -> torch.Tensor:
+    """This rank's share of the block checksums: int64 [len(block_ids), 2] (s1, s2), each < PRIME.
+
+    Only the primary holder of a replicated head counts it, so summing the
+    partials of all ranks gives every unit exactly once.
+    """
+    tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
+    h0, h1 = layout.heads_of(tp_rank)
+    heads = [h for h in range(h0, h1) if layout.is_primary(tp_rank, h)]
+    device = kv_tensors[0].device if kv_tensors else torch.device("cpu")
+    total = torch.zeros(len(block_ids), 2, dtype=torch.int64, device=device)
+    if not heads or not block_ids:
+        return total
+    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
+    local = torch.as_tensor([h - h0 for h in heads], dtype=torch.long, device=device)
+    layer_start = layout.layer_ranges[pp_rank][0]
+    for i, t in enumerate(kv_tensors):
+        x = t.index_select(1, idx).index_select(2, local)  # [2, n, h, bs, d]
+        words = _words(x.permute(1, 2, 0, 3, 4)).reshape(len(block_ids), len(heads), -1)  # [n, h, W]
+        weights = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=device)
+        s1 = words.sum(-1) % PRIME  # [n, h]
+        s2 = ((words * weights) % PRIME).sum(-1) % PRIME
+        layer = layer_start + i
+        mult = torch.as_tensor([layer * layout.num_kv_heads + h + 1 for h in heads], dtype=torch.int64, device=device)
+        total[:, 0] += (s1 * mult % PRIME).sum(-1)
+        total[:, 1] += (s2 * mult % PRIME).sum(-1)
+        total %= PRIME
+    return total
+
+
+def pack_checksums(sums: torch.Tensor) -> tuple[int, ...]:
+    """[n, 2] (mod PRIME) -> one uint64 per block."""
+    s = (sums % PRIME).tolist()
+    return tuple((a << 32) | b for a, b in s)
+
+
+def group_block_checksums(engine, block_ids: Sequence[int]) -> tuple[int, ...]:
+    """Block checksums of the whole group (collective: call on every rank)."""
+    partial = partial_block_checksums(engine.kv_caches, engine_layout(engine), engine.ps.rank, block_ids)
+    if engine.ps.world_size > 1:
+        dist.all_reduce(partial)
+    return pack_checksums(partial)
+
+
+# ---------------------------------------------------------------- descriptors
+def build_descriptor(
+    engine,
+    handoff,
+    endpoints: dict[int, RankEndpoint],
+    transport_kind: str,
+    checksums: tuple[int, ...],
+    top_logprobs: dict[int, float] | None = None,
+) -> HandoffDescriptor:
+    """Descriptor for a pinned handoff of `engine` (rank 0 of the prefill group)."""
+    layout = engine_layout(engine)
+    remaining_s = max(0.0, handoff.lease_deadline - time.monotonic())
+    return HandoffDescriptor(
+        request_id=handoff.request_id,
+        model_fingerprint=model_fingerprint(engine.config.model),
+        layout=layout,
+        rank_block_ids={r: tuple(handoff.block_ids) for r in range(layout.world_size)},
+        num_tokens=handoff.num_tokens,
+        transport_kind=transport_kind,
+        endpoints=endpoints,
+        first_token_id=handoff.first_token_id,
+        lease_deadline_unix_ms=int((time.time() + remaining_s) * 1000),
+        block_checksums=checksums,
+        first_token_logprob=handoff.first_token_logprob,
+        first_token_top_logprobs=dict(top_logprobs or {}),
+    )
+
+
+def make_importer(
+    engine, transport: KVTransport, desc: HandoffDescriptor, timeout_s: float = 30.0, stats_out: list | None = None
+) -> Callable[[list[int], int], None]:
+    """The `import_kv(block_ids, first_block)` callback for `Engine.add_imported_request`.
+
+    Runs on every rank of the decode group (a collective): each rank pulls its
+    own ops, then all ranks vote, so either every rank keeps the request or
+    every rank rolls it back.
+    """
+
+    def import_kv(block_ids: list[int], first_block: int) -> None:
+        dst = engine_layout(engine)
+        if desc.model_fingerprint != model_fingerprint(engine.config.model):
+            raise TransferError("handoff comes from a different model (fingerprint mismatch)")
+        n = len(desc.rank_block_ids[0])
+        error: Exception | None = None
+        partial = torch.zeros(max(0, n - first_block), 2, dtype=torch.int64, device=engine.kv_caches[0].device)
+        stats = TransferStats(0, 0.0, 0)
+        try:
+            plan = build_plan(desc.layout, dst, desc.rank_block_ids, {r: block_ids for r in range(dst.world_size)}, first_block)
+            remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
+            if plan.ops_for_dst(engine.ps.rank):
+                stats = transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
+            partial = partial_block_checksums(engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
+        except Exception as exc:  # vote below; every rank must reach the collectives
+            error = exc
+        if not engine.ps.all_true(error is None):
+            raise error if error is not None else TransferError("a peer rank failed its part of the pull")
+        if engine.ps.world_size > 1:
+            dist.all_reduce(partial)
+        got = pack_checksums(partial)
+        want = desc.block_checksums[first_block:]
+        if got != want:
+            bad = [first_block + i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
+            raise ChecksumMismatchError(f"pulled blocks {bad[:8]} do not match their checksums")
+        if stats_out is not None:
+            stats_out.append(stats)
+
+    return import_kv

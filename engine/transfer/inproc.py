@@ -1,0 +1,80 @@
+"""Same-process transport: for unit tests and for the aggregated fallback (prefill == decode process).
+
+It behaves like a memory transport: `expose` registers the tensors under a token (the endpoint
+metadata), and `pull` copies the plan's byte regions (`regions.py`) one by one, exactly the
+descriptors a NIXL pull would post, so tests exercise the same address arithmetic.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.plan import TransferPlan
+from splitserve.engine.transfer.regions import ops_regions
+from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
+
+_PREFIX = b"inproc:"
+_registry: dict[bytes, list[torch.Tensor]] = {}
+_lock = threading.Lock()
+_counter = itertools.count()
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1).view(torch.uint8)
+
+
+class InProcTransport(KVTransport):
+    """Registers tensors in a process-wide table; pulls by copying byte regions."""
+
+    def __init__(self) -> None:
+        self._tokens: list[bytes] = []
+
+    def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
+        if not kv_tensors or not all(t.is_contiguous() for t in kv_tensors):
+            raise ValueError("expose needs a non-empty list of contiguous KV tensors")
+        token = _PREFIX + str(next(_counter)).encode()
+        with _lock:
+            _registry[token] = list(kv_tensors)
+        self._tokens.append(token)
+        return token
+
+    def pull(
+        self,
+        plan: TransferPlan,
+        dst_rank: int,
+        remote: Mapping[int, bytes],
+        kv_tensors: Sequence[torch.Tensor],
+        timeout_s: float = 30.0,
+    ) -> TransferStats:
+        start = time.perf_counter()
+        dst_pool = check_kv_tensors(kv_tensors, plan.dst, dst_rank)
+        dst_bytes = [_byte_view(t) for t in kv_tensors]
+        num_bytes = num_regions = 0
+        for src_rank in needed_sources(plan, dst_rank, remote):
+            with _lock:
+                src_tensors = _registry.get(remote[src_rank])
+            if src_tensors is None:
+                raise TransferError(f"source rank {src_rank}: endpoint {remote[src_rank]!r} is not exposed")
+            src_pool = check_kv_tensors(src_tensors, plan.src, src_rank)
+            src_bytes = [_byte_view(t) for t in src_tensors]
+            regions = ops_regions(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, src_pool, dst_pool)
+            for sl, so, dl, do, n in zip(
+                regions.src_layer.tolist(), regions.src_offset.tolist(), regions.dst_layer.tolist(),
+                regions.dst_offset.tolist(), regions.num_bytes.tolist(), strict=True,
+            ):
+                dst_bytes[dl][do:do + n].copy_(src_bytes[sl][so:so + n])
+            num_bytes += regions.bytes_total
+            num_regions += len(regions)
+        return TransferStats(num_bytes, time.perf_counter() - start, num_regions)
+
+    def close(self) -> None:
+        with _lock:
+            for token in self._tokens:
+                _registry.pop(token, None)
+        self._tokens.clear()

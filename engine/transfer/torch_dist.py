@@ -1,0 +1,107 @@
+"""Two-sided KV transfer over torch.distributed point-to-point (NCCL on GPU, gloo on CPU).
+
+P2P needs both ends, so each source rank calls `send_plan` and each destination rank calls
+`recv_plan` with the same plan (`build_plan` is deterministic: both sides can build it from the
+handoff descriptor). Per (src, dst) pair the regions travel as one packed buffer (`pack.py`)::
+
+    src rank s: pack(ops s→d) ──isend──▶ dst rank d: irecv ──▶ unpack(ops s→d)
+
+All sends (receives) of a rank are posted together with `batch_isend_irecv`, which NCCL runs as
+one group, so no ordering between pairs can deadlock. The caller initialises the process group
+(never a TCPStore listening on all interfaces) and maps plan ranks to `torch.distributed` global
+ranks with `peers`. Only one plan may be in flight between two ranks at a time: P2P messages
+are matched in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
+from splitserve.engine.transfer.plan import TransferPlan
+from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
+
+
+def _wait(works: list, peers_desc: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for work in works:
+        left = max(0.001, deadline - time.monotonic())
+        try:
+            ok = work.wait(timeout=timedelta(seconds=left))
+        except RuntimeError as exc:  # gloo reports a timeout (or a dead peer) by raising
+            text = str(exc).lower()
+            if "timed out" in text or "timeout" in text or time.monotonic() >= deadline:
+                raise TransferTimeout(f"torch.distributed transfer with {peers_desc} timed out after "
+                                      f"{timeout_s:.1f}s: {exc}") from exc
+            raise TransferError(f"torch.distributed transfer with {peers_desc} failed: {exc}") from exc
+        if ok is False:
+            raise TransferTimeout(f"torch.distributed transfer with {peers_desc} timed out after {timeout_s:.1f}s")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def send_plan(
+    plan: TransferPlan,
+    src_rank: int,
+    kv_tensors: Sequence[torch.Tensor],
+    peers: Mapping[int, int],
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 30.0,
+) -> TransferStats:
+    """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its global rank."""
+    start = time.perf_counter()
+    check_kv_tensors(kv_tensors, plan.src, src_rank)
+    dst_ranks = sorted({op.dst_rank for op in plan.ops_for_src(src_rank)})
+    missing = [d for d in dst_ranks if d not in peers]
+    if missing:
+        raise ValueError(f"no torch.distributed rank for destination ranks {missing} (peers {dict(peers)})")
+    buffers, p2p = [], []
+    for dst_rank in dst_ranks:
+        buf = pack_ops(plan.ops_for_pair(src_rank, dst_rank), plan.src, kv_tensors)
+        buffers.append(buf)
+        p2p.append(dist.P2POp(dist.isend, buf.view(torch.uint8), peers[dst_rank], group=group))
+    if p2p:
+        _wait(dist.batch_isend_irecv(p2p), f"destination ranks {dst_ranks}", timeout_s)
+        _sync(kv_tensors[0].device)
+    num_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    return TransferStats(num_bytes, time.perf_counter() - start, len(buffers))
+
+
+def recv_plan(
+    plan: TransferPlan,
+    dst_rank: int,
+    kv_tensors: Sequence[torch.Tensor],
+    peers: Mapping[int, int],
+    group: dist.ProcessGroup | None = None,
+    timeout_s: float = 30.0,
+) -> TransferStats:
+    """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its global rank."""
+    start = time.perf_counter()
+    check_kv_tensors(kv_tensors, plan.dst, dst_rank)
+    src_ranks = sorted({op.src_rank for op in plan.ops_for_dst(dst_rank)})
+    missing = [s for s in src_ranks if s not in peers]
+    if missing:
+        raise ValueError(f"no torch.distributed rank for source ranks {missing} (peers {dict(peers)})")
+    device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
+    buffers, p2p = [], []
+    for src_rank in src_ranks:
+        numel = packed_numel(plan.ops_for_pair(src_rank, dst_rank), plan.dst)
+        buf = torch.empty(numel, dtype=dtype, device=device)
+        buffers.append(buf)
+        p2p.append(dist.P2POp(dist.irecv, buf.view(torch.uint8), peers[src_rank], group=group))
+    if p2p:
+        _wait(dist.batch_isend_irecv(p2p), f"source ranks {src_ranks}", timeout_s)
+    for src_rank, buf in zip(src_ranks, buffers, strict=True):
+        unpack_ops(buf, plan.ops_for_pair(src_rank, dst_rank), plan.dst, kv_tensors)
+    _sync(device)
+    num_bytes = sum(b.numel() * b.element_size() for b in buffers)
+    return TransferStats(num_bytes, time.perf_counter() - start, len(buffers))

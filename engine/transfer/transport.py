@@ -1,0 +1,97 @@
+"""The pull-transport interface every KV transport implements (NIXL, in-process).
+
+    source rank                                  destination rank
+    ───────────                                  ────────────────
+    meta = t.expose(kv)      ── meta bytes ──▶   (carried in the handoff descriptor, over gRPC)
+      (once per worker: registers                stats = t.pull(plan, dst_rank, {src_rank: meta}, kv)
+       the whole KV pool)                          (reads its ops' regions from the sources)
+    t.close()                                    t.close()
+
+The source does nothing per request: it exposes its pool once and keeps the request's blocks
+pinned until the destination acknowledges. `torch_dist` is two-sided (both ranks must call) and
+so has its own `send_plan`/`recv_plan` functions instead of this interface.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.transfer.plan import TransferPlan
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; the request's KV on the destination must not be used."""
+
+
+class TransferTimeout(TransferError):
+    """A transfer did not complete within its deadline (it was cancelled where possible)."""
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one `pull` moved."""
+
+    num_bytes: int
+    seconds: float
+    num_regions: int
+    """Memory regions (descriptors) the transport handed to its backend."""
+
+    def __post_init__(self) -> None:
+        if self.num_bytes < 0 or self.seconds < 0 or self.num_regions < 0:
+            raise ValueError(f"TransferStats values must be >= 0, got {self!r}")
+
+    @property
+    def gbps(self) -> float:
+        """Gigabytes (1e9) per second; 0 when nothing moved."""
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 and self.num_bytes else 0.0
+
+
+class KVTransport(abc.ABC):
+    """One worker rank's end of a pull transport. Not thread-safe: one caller at a time."""
+
+    @abc.abstractmethod
+    def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
+        """Make this rank's per-layer KV tensors readable by remote peers; return endpoint metadata.
+
+        The tensors must stay allocated (and are read concurrently by peers) until `close()`.
+        Call once per worker with the whole pool, not per request.
+        """
+
+    @abc.abstractmethod
+    def pull(
+        self,
+        plan: TransferPlan,
+        dst_rank: int,
+        remote: Mapping[int, bytes],
+        kv_tensors: Sequence[torch.Tensor],
+        timeout_s: float = 30.0,
+    ) -> TransferStats:
+        """Copy every op of `plan` whose destination is `dst_rank` into `kv_tensors`.
+
+        `remote[src_rank]` is the metadata the source rank's `expose` returned (ranks the plan
+        does not read from may be absent). Blocks off the plan are never written. Blocks until
+        done; raises `TransferTimeout` after `timeout_s`, `TransferError` on failure.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release registrations and connections. Idempotent."""
+
+    def __enter__(self) -> KVTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> list[int]:
+    """Source ranks `dst_rank` reads from, checking `remote` has metadata for each."""
+    sources = sorted({op.src_rank for op in plan.ops_for_dst(dst_rank)})
+    missing = [rank for rank in sources if rank not in remote]
+    if missing:
+        raise ValueError(f"no endpoint metadata for source ranks {missing} (have {sorted(remote)})")
+    return sources

@@ -1,0 +1,46 @@
+"""pack_ops / unpack_ops against the byte regions the memory transports copy: both must produce
+the same destination, for head slices, replicated heads and PP splits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvtransfer_helpers import SENTINEL, assert_pools_equal, block_tables, layout, random_logical, scatter
+
+from splitserve.engine.transfer.inproc import InProcTransport
+from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
+from splitserve.engine.transfer.plan import build_plan
+
+
+@pytest.mark.parametrize(("src_shape", "dst_shape", "kv_heads"), [
+    ((4, 1), (1, 2), 8), ((1, 2), (4, 1), 2), ((2, 2), (2, 1), 1), ((1, 1), (2, 2), 4),
+])
+def test_pack_unpack_matches_region_copies(src_shape, dst_shape, kv_heads):
+    src, dst = layout(*src_shape, kv_heads), layout(*dst_shape, kv_heads)
+    n, pool = 4, 7
+    logical = random_logical(src, n, seed=4)
+    src_t, dst_t = block_tables(src, n, pool, 5), block_tables(dst, n, pool, 6)
+    plan = build_plan(src, dst, src_t, dst_t, first_block=1)
+    src_kv = scatter(logical, src, src_t, pool)
+    packed_kv = scatter(torch.full_like(logical, SENTINEL), dst, dst_t, pool)
+    copied_kv = scatter(torch.full_like(logical, SENTINEL), dst, dst_t, pool)
+    for (s, d) in plan.bytes_by_pair():
+        ops = plan.ops_for_pair(s, d)
+        buf = pack_ops(ops, src, src_kv[s])
+        assert buf.numel() == packed_numel(ops, src) and buf.numel() * 4 == plan.bytes_by_pair()[(s, d)]
+        unpack_ops(buf, ops, dst, packed_kv[d])
+    with InProcTransport() as t:
+        remote = {r: t.expose(kv) for r, kv in src_kv.items()}
+        for d in range(dst.world_size):
+            t.pull(plan, d, remote, copied_kv[d])
+    assert_pools_equal(packed_kv, copied_kv, "pack vs regions")
+
+
+def test_pack_buffer_shape_is_checked():
+    lay = layout(1, 1, 2)
+    plan = build_plan(lay, lay, {0: [0, 1]}, {0: [2, 3]})
+    kv = [torch.zeros(lay.kv_shape(4)) for _ in range(3)]
+    with pytest.raises(ValueError, match=r"unpack buffer is \(5,\) torch.float32, expected \(192,\)"):
+        unpack_ops(torch.zeros(5), plan.ops, lay, kv)
+    with pytest.raises(ValueError, match=r"pack buffer is \(5,\)"):
+        pack_ops(plan.ops, lay, kv, out=torch.zeros(5))

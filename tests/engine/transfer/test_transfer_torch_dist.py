@@ -1,0 +1,33 @@
+"""torch.distributed (gloo) point-to-point between three real processes. Each case assigns every
+process a source or destination plan rank; data travels as one packed buffer per (src, dst) pair."""
+
+from __future__ import annotations
+
+from kvtransfer_helpers import gloo_process, gloo_silent_peer_process, run_processes
+
+CASES = [
+    # tp 2 -> 1 with a cached prefix: processes 0, 1 send, process 2 receives.
+    (dict(src=dict(tp=2, pp=1, kv_heads=4), dst=dict(tp=1, pp=1, kv_heads=4), num_blocks=5, pool=8, seed=1,
+          first_block=1),
+     {0: ("src", 0), 1: ("src", 1), 2: ("dst", 0)}),
+    # tp 1 -> 2 with one replicated kv head: process 2 sends it to both destination ranks.
+    (dict(src=dict(tp=1, pp=1, kv_heads=1), dst=dict(tp=2, pp=1, kv_heads=1), num_blocks=4, pool=8, seed=2,
+          first_block=0, dst_contiguous=True),
+     {0: ("dst", 0), 1: ("dst", 1), 2: ("src", 0)}),
+    # pp 2 -> 1 with GQA heads: both stages (processes 1, 2) send to process 0.
+    (dict(src=dict(tp=1, pp=2, kv_heads=2), dst=dict(tp=1, pp=1, kv_heads=2), num_blocks=3, pool=8, seed=3,
+          first_block=2),
+     {0: ("dst", 0), 1: ("src", 0), 2: ("src", 1)}),
+]
+
+
+def test_gloo_handoffs_between_three_processes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    cases = [case for case, _ in CASES]
+    roles = [role for _, role in CASES]
+    run_processes([(gloo_process, cases, roles, rank, 3, str(tmp_path / "pg")) for rank in range(3)])
+
+
+def test_gloo_receive_from_a_silent_peer_times_out(tmp_path, monkeypatch):
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    run_processes([(gloo_silent_peer_process, rank, str(tmp_path / "pg")) for rank in range(2)])
