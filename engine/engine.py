@@ -73,6 +73,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
+        self.num_pinned_blocks = 0
+        """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()
 
     # ---------------------------------------------------------------- inputs
@@ -145,8 +147,11 @@ class Engine:
         req.first_token_time = time.monotonic()
         if params.return_log_probs and first_token_logprob is not None:
             req.generated_log_probs.append(first_token_logprob)
-        self._stops[request_id].on_token(first_token_id)
-        return req.num_cached_tokens // self.block_size
+        reused = req.num_cached_tokens // self.block_size
+        _, status = self._stops[request_id].on_token(first_token_id)
+        if status is not None:  # the first token already ends it (e.g. a one-token limit)
+            self._finish(req, status, first_token_logprob)
+        return reused
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -210,6 +215,7 @@ class Engine:
                 first_logprob,
                 time.monotonic() + self.config.cache.handoff_lease_s,
             )
+            self.num_pinned_blocks += len(blocks)
         self._forget(req.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -224,6 +230,7 @@ class Engine:
         if handoff is None:
             return False
         self.pool.unpin(reversed(handoff.block_ids))
+        self.num_pinned_blocks -= len(handoff.block_ids)
         return True
 
     def expired_handoffs(self, now: float | None = None) -> list[str]:

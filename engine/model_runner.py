@@ -69,7 +69,7 @@ class ModelRunner:
             self.device,
         )
         self._hidden_size = model_config.hidden_size
-        self._generators: dict[str, torch.Generator] = {}
+        self._base_seeds: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
 
     # ----------------------------------------------------------------- batch
@@ -161,15 +161,23 @@ class ModelRunner:
         return results
 
     def _generator(self, req: Request) -> torch.Generator | None:
+        """A generator seeded by (request seed, output position).
+
+        Seeding per position rather than carrying one generator along makes a
+        token depend only on its seed and index, so a request whose first token
+        was sampled by a prefill engine continues exactly as it would have on
+        one engine."""
         if req.params.is_greedy:
             return None
-        generator = self._generators.get(req.request_id)
-        if generator is None:
-            seed = req.params.seed
+        seed = req.params.seed
+        if seed is None:
+            seed = self._base_seeds.get(req.request_id)
             if seed is None:
-                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source))
-            generator = self._generators[req.request_id] = make_generator(seed, self.device)
-        return generator
+                seed = self._base_seeds[req.request_id] = int(
+                    torch.randint(0, 2**62, (1,), generator=self._seed_source)
+                )
+        mixed = (seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+        return make_generator(mixed, self.device)
 
     def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+        self._base_seeds.pop(request_id, None)

@@ -1,0 +1,124 @@
+"""Proto ↔ engine dataclasses for the worker services — the one place they convert.
+
+Both worker services speak the same messages (sampling params, handoff
+descriptors, output chunks) and may not import each other, so the conversion
+lives here, beside the dataclasses it produces.
+"""
+
+from __future__ import annotations
+
+from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint
+from splitserve.engine.request import GenerationResult
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.transfer.layout import KVLayout
+from splitserve.proto.v1 import common_pb2, handoff_pb2
+
+FINISH_REASONS = {
+    "stopped": common_pb2.FINISH_REASON_STOP,
+    "length": common_pb2.FINISH_REASON_LENGTH,
+    "aborted": common_pb2.FINISH_REASON_ABORT,
+}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Raises ValueError (quoting the value) for invalid settings."""
+    if len(msg.termination_ids) > 1:
+        raise ValueError(f"at most one termination id is supported, got {list(msg.termination_ids)}")
+    return SamplingParams(
+        num_tokens_to_generate=msg.num_tokens_to_generate or 16,
+        temperature=float(msg.temperature),
+        top_k=msg.top_k,
+        top_p=float(msg.top_p),
+        seed=msg.seed if msg.HasField("seed") else None,
+        termination_id=msg.termination_ids[0] if msg.termination_ids else None,
+        stop_words=tuple(msg.stop_words),
+        return_log_probs=msg.return_log_probs,
+        skip_prompt_log_probs=True,
+        top_n_logprobs=msg.top_n_logprobs,
+    )
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        num_tokens_to_generate=p.num_tokens_to_generate or 0,
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        termination_ids=[] if p.termination_id is None else [p.termination_id],
+        stop_words=list(p.stop_words),
+        return_log_probs=p.return_log_probs,
+        top_n_logprobs=p.top_n_logprobs,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def finish_reason(result: GenerationResult) -> int:
+    return FINISH_REASONS.get(result.status, common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def top_logprobs_to_proto(top: dict[int, float]) -> common_pb2.TokenTopLogprobs:
+    return common_pb2.TokenTopLogprobs(
+        top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top.items()]
+    )
+
+
+def descriptor_to_proto(d: HandoffDescriptor) -> handoff_pb2.HandoffDescriptor:
+    layout = d.layout
+    msg = handoff_pb2.HandoffDescriptor(
+        request_id=d.request_id,
+        model_fingerprint=d.model_fingerprint,
+        layout=handoff_pb2.KVLayout(
+            dtype=layout.dtype,
+            block_size=layout.block_size,
+            tp=layout.tp,
+            pp=layout.pp,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            layer_ranges=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_ranges],
+        ),
+        rank_blocks=[handoff_pb2.RankBlocks(rank=r, block_ids=ids) for r, ids in sorted(d.rank_block_ids.items())],
+        num_tokens=d.num_tokens,
+        transport_kind=d.transport_kind,
+        rank_endpoints=[
+            handoff_pb2.RankEndpoint(rank=e.rank, address=e.address, agent_metadata=e.agent_metadata)
+            for _, e in sorted(d.endpoints.items())
+        ],
+        first_token_id=d.first_token_id,
+        first_token_top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in d.first_token_top_logprobs.items()],
+        lease_deadline_unix_ms=d.lease_deadline_unix_ms,
+        block_checksums=list(d.block_checksums),
+    )
+    if d.first_token_logprob is not None:
+        msg.first_token_logprob = d.first_token_logprob
+    return msg
+
+
+def descriptor_from_proto(msg: handoff_pb2.HandoffDescriptor) -> HandoffDescriptor:
+    """Raises ValueError for a malformed descriptor."""
+    lay = msg.layout
+    return HandoffDescriptor(
+        request_id=msg.request_id,
+        model_fingerprint=msg.model_fingerprint,
+        layout=KVLayout(
+            dtype=lay.dtype,
+            block_size=lay.block_size,
+            tp=lay.tp,
+            pp=lay.pp,
+            num_layers=lay.num_layers,
+            num_kv_heads=lay.num_kv_heads,
+            head_dim=lay.head_dim,
+            layer_ranges=tuple((r.start, r.end) for r in lay.layer_ranges),
+        ),
+        rank_block_ids={rb.rank: tuple(rb.block_ids) for rb in msg.rank_blocks},
+        num_tokens=msg.num_tokens,
+        transport_kind=msg.transport_kind,
+        endpoints={e.rank: RankEndpoint(e.rank, e.address, e.agent_metadata) for e in msg.rank_endpoints},
+        first_token_id=msg.first_token_id,
+        lease_deadline_unix_ms=msg.lease_deadline_unix_ms,
+        block_checksums=tuple(msg.block_checksums),
+        first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
+        first_token_top_logprobs={t.token_id: t.logprob for t in msg.first_token_top_logprobs},
+    )

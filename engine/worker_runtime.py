@@ -1,0 +1,165 @@
+"""What prefill and decode workers share: one process per rank of the worker's
+TP × PP group, an engine and a KV transport on each, and an `EngineLoop`.
+
+    worker process (rank 0) ── spawns ──▶ rank 1 … rank N-1   (file:// rendezvous, gloo / NCCL)
+       │ gRPC server (asyncio, main thread)
+       │ EngineLoop thread ◀── broadcast commands ──▶ EngineLoop on every other rank
+       └ endpoints: every rank exposes its KV pool to the transport; rank 0 gathers the metadata
+
+Role-specific behaviour comes from a `hooks_factory(engine, transport, endpoints)`
+— a module-level function, so spawned ranks can build the same hooks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from splitserve.engine.engine import Engine
+from splitserve.engine.handoff import RankEndpoint
+from splitserve.engine.llm import build_engine_config
+from splitserve.engine.serving import EngineLoop
+from splitserve.engine.transfer.transport import KVTransport
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("nixl", "inproc")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """How to build one worker group's engines."""
+
+    model: str | None
+    role: str
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    transport: str = "nixl"
+    """KV transport: nixl (UCX; DRAM on CPU, VRAM on GPU) or inproc (same process only)."""
+    address: str = "127.0.0.1"
+    """Host the transport advertises for this worker."""
+    engine_options: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "aggregated"):
+            raise ValueError(f"role must be prefill, decode or aggregated, got {self.role!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+def make_transport(kind: str) -> KVTransport:
+    if kind == "nixl":
+        from splitserve.engine.transfer.nixl_transport import NixlTransport
+
+        return NixlTransport()
+    from splitserve.engine.transfer.inproc import InProcTransport
+
+    return InProcTransport()
+
+
+def build_engine(spec: WorkerSpec) -> Engine:
+    config = build_engine_config(
+        spec.model,
+        role=spec.role,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        pipeline_parallel_size=spec.pipeline_parallel_size,
+        **spec.engine_options,
+    )
+    return Engine(config, seed=spec.seed)
+
+
+HooksFactory = Callable[[Engine, KVTransport, "dict[int, RankEndpoint] | None"], dict[str, Any]]
+
+
+def _build_rank(spec: WorkerSpec, hooks_factory: HooksFactory) -> tuple[Engine, KVTransport, EngineLoop, Any]:
+    engine = build_engine(spec)
+    transport = make_transport(spec.transport)
+    metadata = transport.expose(engine.kv_caches)
+    gathered = engine.ps.gather_to_first((spec.address, metadata))
+    endpoints = None
+    if gathered is not None:
+        endpoints = {r: RankEndpoint(r, addr, meta) for r, (addr, meta) in enumerate(gathered)}
+    hooks = hooks_factory(engine, transport, endpoints)
+    loop = EngineLoop(
+        engine,
+        on_output=hooks.get("on_output"),
+        after_step=hooks.get("after_step"),
+        handlers=hooks.get("handlers"),
+    )
+    return engine, transport, loop, hooks.get("state")
+
+
+def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    torch.set_num_threads(1)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
+    _, transport, loop, _ = _build_rank(spec, hooks_factory)
+    try:
+        loop.run()
+    finally:
+        transport.close()
+        dist.destroy_process_group()
+
+
+class WorkerGroup:
+    """Rank 0's handle on the whole group: starts the other ranks, builds the
+    local engine, and runs the loop on a background thread."""
+
+    def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory):
+        self.spec = spec
+        self._procs: list[Any] = []
+        self._tmp = tempfile.TemporaryDirectory(prefix="splitserve-group-")
+        world = spec.world_size
+        if world > 1:
+            init_method = f"file://{self._tmp.name}/rendezvous"
+            ctx = mp.get_context("spawn")
+            for rank in range(1, world):
+                p = ctx.Process(
+                    target=_other_rank_main, args=(rank, world, init_method, spec, hooks_factory), daemon=True
+                )
+                p.start()
+                self._procs.append(p)
+            use_cuda = torch.cuda.is_available()
+            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=world)
+        self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory)
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.loop.run()
+        except Exception:
+            log.exception("engine loop crashed")
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every rank's loop and wait for them (idempotent)."""
+        if self.loop.is_running:
+            self.loop.stop()
+        self._thread.join(timeout=timeout_s)
+        for p in self._procs:
+            p.join(timeout=timeout_s)
+            if p.is_alive():
+                p.kill()
+        self._procs = []
+        self.transport.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._tmp.cleanup()

@@ -1,0 +1,91 @@
+"""`splitserve.v1.PrefillWorker` over gRPC (asyncio) — the only proto ↔ dataclass
+conversion of the prefill worker (shared message conversion lives in engine/wire.py).
+
+Errors map to status codes, never to tracebacks: bad input → INVALID_ARGUMENT,
+a full pinned-KV budget → RESOURCE_EXHAUSTED (retry elsewhere / later), a
+stopped engine → UNAVAILABLE. A cancelled call aborts the request on every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import uuid
+
+import grpc
+
+from splitserve.engine.serving import Command
+from splitserve.engine.wire import descriptor_to_proto, finish_reason, sampling_from_proto
+from splitserve.engine.worker_runtime import WorkerGroup
+from splitserve.prefill_worker.hooks import PrefillOutcome
+from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+
+
+class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, group: WorkerGroup, max_pinned_fraction: float = 0.5, timeout_s: float = 120.0):
+        self.group = group
+        self.loop = group.loop
+        self.state = group.state
+        self.engine = group.engine
+        self.max_pinned_blocks = int(max_pinned_fraction * self.engine.pool.num_blocks)
+        self.timeout_s = timeout_s
+
+    async def _submit(self, command: Command):
+        return await asyncio.wrap_future(self.loop.submit(command))
+
+    async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            params = sampling_from_proto(request.sampling_params)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.engine.num_pinned_blocks >= self.max_pinned_blocks:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"pinned KV budget full ({self.engine.num_pinned_blocks} of {self.max_pinned_blocks} blocks); retry",
+            )
+        if request_id in self.state.waiters:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
+        waiter: concurrent.futures.Future = concurrent.futures.Future()
+        self.state.waiters[request_id] = waiter
+        try:
+            await self._submit(Command("add", request_id, (list(request.token_ids), params)))
+            outcome: PrefillOutcome = await asyncio.wait_for(asyncio.wrap_future(waiter), self.timeout_s)
+        except ValueError as exc:
+            self.state.waiters.pop(request_id, None)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except (asyncio.CancelledError, TimeoutError):
+            self.state.waiters.pop(request_id, None)
+            self.loop.submit(Command("abort", request_id))
+            raise
+        except RuntimeError as exc:  # the engine loop stopped
+            self.state.waiters.pop(request_id, None)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        response = prefill_worker_pb2.PrefillResponse(num_cached_tokens=outcome.result.num_cached_tokens)
+        if outcome.descriptor is not None:
+            response.handoff.CopyFrom(descriptor_to_proto(outcome.descriptor))
+        else:
+            response.finish_reason = finish_reason(outcome.result)
+        return response
+
+    async def Release(self, request, context):  # noqa: N802
+        was_pinned = await self._submit(Command("release", request.request_id))
+        return prefill_worker_pb2.ReleaseResponse(was_pinned=bool(was_pinned))
+
+    async def Abort(self, request, context):  # noqa: N802
+        found = await self._submit(Command("abort", request.request_id))
+        waiter = self.state.waiters.pop(request.request_id, None)
+        if waiter is not None and not waiter.done():
+            waiter.cancel()
+        return common_pb2.AbortResponse(was_found=bool(found))
+
+    async def GetBlockSet(self, request, context):  # noqa: N802
+        hashes = await self._submit(Command("block_set"))
+        return prefill_worker_pb2.BlockSet(
+            block_hashes=[int.from_bytes(h, "little") for h in hashes], block_size=self.engine.block_size
+        )
+
+
+def add_prefill_service(server: grpc.aio.Server, group: WorkerGroup) -> str:
+    prefill_worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillWorkerService(group), server)
+    return "splitserve.v1.PrefillWorker"
