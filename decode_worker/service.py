@@ -47,6 +47,16 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         return await asyncio.wrap_future(self.loop.submit(command))
 
     async def Decode(self, request, context):  # noqa: N802 - gRPC method name
+        if self.group.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; use another")
+        self.group.num_in_flight += 1
+        try:
+            async for chunk in self._decode(request, context):
+                yield chunk
+        finally:
+            self.group.num_in_flight -= 1
+
+    async def _decode(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         token_ids = list(request.token_ids)
         try:

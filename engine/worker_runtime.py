@@ -125,6 +125,10 @@ class WorkerGroup:
 
     def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory):
         self.spec = spec
+        self.draining = False
+        """Set by a drain: the services refuse new requests but finish the rest."""
+        self.num_in_flight = 0
+        """Requests a service is handling (maintained by the services, on their event loop)."""
         self._procs: list[Any] = []
         self._tmp = tempfile.TemporaryDirectory(prefix="splitserve-group-")
         world = spec.world_size

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
+import socket
 import sys
+import time
 from collections.abc import Callable
 
 import grpc
@@ -32,34 +35,27 @@ async def serve_worker(
     stop: asyncio.Event | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT (or `stop` is set). Prints `READY <address>` once serving."""
-    group = await asyncio.to_thread(WorkerGroup, spec, hooks_factory)
+    host, _, port_text = listen.rpartition(":")
+    address = f"{host}:{int(port_text) or _free_port(host)}"
+    registration = None
+    if etcd:
+        registration, spec = await _register(spec, etcd, cluster, address)
+    try:
+        group = await asyncio.to_thread(WorkerGroup, spec, hooks_factory)
+    except BaseException:
+        if registration is not None:
+            await registration.close()
+        raise
     server = grpc.aio.server()
     service_name = add_servicer(server, group)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    port = server.add_insecure_port(listen)
-    if port == 0:
+    if server.add_insecure_port(address) == 0:
         group.close()
-        raise OSError(f"cannot listen on {listen!r}")
-    host = listen.rsplit(":", 1)[0]
-    address = f"{host}:{port}"
+        raise OSError(f"cannot listen on {address!r}")
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    registration = None
-    if etcd:
-        from splitserve.control_plane.keys import ClusterKeys
-        from splitserve.control_plane.shard_spec import Role
-        from splitserve.control_plane.worker_registration import WorkerRegistration
-
-        registration = WorkerRegistration(
-            etcd=etcd,
-            address=address,
-            role=Role(spec.role),
-            num_gpu_ranks=spec.world_size,
-            keys=ClusterKeys(cluster=cluster),
-        )
-        await registration.start()
     print(f"READY {address}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -67,13 +63,61 @@ async def serve_worker(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("stopping: draining for up to %.0f s", grace_s)
+    await drain(group, health_servicer, registration, grace_s)
+    await server.stop(1.0)
+    await asyncio.to_thread(group.close)
+
+
+async def drain(group: WorkerGroup, health_servicer, registration, grace_s: float) -> bool:
+    """Graceful drain: deregister, refuse new work (health NOT_SERVING), finish
+    in-flight requests, and wait until no handoff pins remain (decode peers
+    ack, or leases expire). Release/Abort keep working meanwhile. Returns True
+    if everything finished within `grace_s` (+ the handoff lease)."""
+    group.draining = True
     await health_servicer.enter_graceful_shutdown()
     if registration is not None:
         with contextlib.suppress(Exception):
             await registration.close()
-    await server.stop(grace_s)
-    await asyncio.to_thread(group.close)
+    engine = group.engine
+    deadline = time.monotonic() + grace_s + engine.config.cache.handoff_lease_s
+    while time.monotonic() < deadline:
+        if group.num_in_flight == 0 and not engine.has_unfinished() and engine.num_pinned_blocks == 0:
+            log.info("drained")
+            return True
+        await asyncio.sleep(0.05)
+    log.warning("drain timed out: %d in flight, %d pinned blocks", group.num_in_flight, engine.num_pinned_blocks)
+    return False
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str):
+    """Take a slot from the control plane; the slot's group decides tp and pp.
+
+    The worker hosts a whole dp replica (all tp x pp ranks, one process each):
+    it asks for `spec.world_size` ranks and must get a complete replica.
+    """
+    from splitserve.control_plane.keys import ClusterKeys
+    from splitserve.control_plane.shard_spec import Role
+    from splitserve.control_plane.worker_registration import WorkerRegistration
+
+    registration = WorkerRegistration(
+        etcd=etcd, address=address, role=Role(spec.role), num_gpu_ranks=spec.world_size, keys=ClusterKeys(cluster=cluster)
+    )
+    assignment = await registration.start()
+    slot = assignment.slots[0]
+    if len(assignment.slots) != slot.tp * slot.pp:
+        await registration.close()
+        raise ValueError(
+            f"slot group needs tp={slot.tp} x pp={slot.pp} ranks but this worker hosts {len(assignment.slots)}; "
+            f"start it with --tp {slot.tp} --pp {slot.pp}"
+        )
+    log.info("assigned group %d replica %d (tp=%d, pp=%d)", slot.group_index, slot.dp_replica, slot.tp, slot.pp)
+    return registration, dataclasses.replace(spec, tensor_parallel_size=slot.tp, pipeline_parallel_size=slot.pp)
 
 
 def run_worker_main(coro_factory: Callable[[], object]) -> int:

@@ -34,6 +34,15 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         return await asyncio.wrap_future(self.loop.submit(command))
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+        if self.group.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; use another")
+        self.group.num_in_flight += 1
+        try:
+            return await self._prefill(request, context)
+        finally:
+            self.group.num_in_flight -= 1
+
+    async def _prefill(self, request, context):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_from_proto(request.sampling_params)

@@ -8,14 +8,9 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.wire import sampling_to_proto
-from splitserve.proto.v1 import (
-    decode_worker_pb2,
-    decode_worker_pb2_grpc,
-    prefill_worker_pb2,
-    prefill_worker_pb2_grpc,
-)
+from splitserve.proto.v1 import prefill_worker_pb2, prefill_worker_pb2_grpc
 from tests.fixtures.models import build_hf_checkpoint
-from tests.fixtures.workers import running_worker
+from tests.fixtures.workers import disagg_generate, running_worker
 
 pytest.importorskip("nixl_cu13")
 
@@ -35,30 +30,6 @@ def _prompts():
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 29, 40)]
 
 
-def _disagg_generate(prefill_addr, decode_addr, prompts, params):
-    results = []
-    with grpc.insecure_channel(prefill_addr) as pc, grpc.insecure_channel(decode_addr) as dc:
-        prefill = prefill_worker_pb2_grpc.PrefillWorkerStub(pc)
-        decode = decode_worker_pb2_grpc.DecodeWorkerStub(dc)
-        for i, prompt in enumerate(prompts):
-            rid = f"r{i}"
-            sp = sampling_to_proto(params)
-            resp = prefill.Prefill(prefill_worker_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling_params=sp), timeout=60)
-            assert resp.HasField("handoff")
-            tokens, logprobs = [], []
-            for chunk in decode.Decode(
-                decode_worker_pb2.DecodeRequest(
-                    request_id=rid, token_ids=prompt, sampling_params=sp, handoff=resp.handoff, prefill_address=prefill_addr
-                ),
-                timeout=60,
-            ):
-                tokens += chunk.token_ids
-                logprobs += chunk.logprobs
-            results.append((tokens, logprobs, resp))
-        blocks = prefill.GetBlockSet(prefill_worker_pb2.GetBlockSetRequest(), timeout=10)
-    return results, blocks
-
-
 LAYOUTS = [
     ("tp1", "tp1", ["--tp", "1"], ["--tp", "1"]),
     ("tp2", "tp1", ["--tp", "2"], ["--tp", "1"]),
@@ -76,7 +47,7 @@ def test_disaggregated_tokens_match_aggregated(model_dir, src, dst, prefill_flag
         running_worker("prefill-worker", model_dir, *prefill_flags, *ENGINE_FLAGS) as pw,
         running_worker("decode-worker", model_dir, *decode_flags, *ENGINE_FLAGS) as dw,
     ):
-        results, blocks = _disagg_generate(pw.address, dw.address, _prompts(), PARAMS)
+        results, blocks = disagg_generate(pw.address, dw.address, _prompts(), PARAMS)
     for (tokens, logprobs, resp), ref in zip(results, expected, strict=True):
         assert tokens == ref.generated_tokens
         assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-4)
