@@ -73,6 +73,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
+        self.model_path = config.model
+        """Checkpoint the weights came from (changes on a lifecycle reload)."""
+        self.is_suspended = False
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()

@@ -93,6 +93,14 @@ def engine_layout(engine) -> KVLayout:
     )
 
 
+def engine_fingerprint(engine) -> str:
+    """The model identity a handoff carries: `model_fingerprint` of the engine's
+    checkpoint, or a simulated engine's own (`--engine sim`, never a real one's)."""
+    if getattr(engine, "is_simulated", False):
+        return engine.fingerprint
+    return model_fingerprint(engine.model_path)
+
+
 def model_fingerprint(model_dir: str) -> str:
     """Architecture + weights identity: config.json bytes and each weight file's name and size."""
     path = Path(model_dir)
@@ -167,7 +175,7 @@ def build_descriptor(
     remaining_s = max(0.0, handoff.lease_deadline - time.monotonic())
     return HandoffDescriptor(
         request_id=handoff.request_id,
-        model_fingerprint=model_fingerprint(engine.config.model),
+        model_fingerprint=engine_fingerprint(engine),
         layout=layout,
         rank_block_ids={r: tuple(handoff.block_ids) for r in range(layout.world_size)},
         num_tokens=handoff.num_tokens,
@@ -190,10 +198,14 @@ def make_importer(
     own ops, then all ranks vote, so either every rank keeps the request or
     every rank rolls it back.
     """
+    if getattr(engine, "is_simulated", False):  # --engine sim: no KV to move, only its time to model
+        from splitserve.engine.sim_engine import make_sim_importer
+
+        return make_sim_importer(engine, desc, timeout_s, stats_out)
 
     def import_kv(block_ids: list[int], first_block: int) -> None:
         dst = engine_layout(engine)
-        if desc.model_fingerprint != model_fingerprint(engine.config.model):
+        if desc.model_fingerprint != model_fingerprint(engine.model_path):
             raise TransferError("handoff comes from a different model (fingerprint mismatch)")
         n = len(desc.rank_block_ids[0])
         error: Exception | None = None

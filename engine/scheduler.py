@@ -198,6 +198,11 @@ class Scheduler:
         req.block_ids.extend(self.pool.allocate(missing))
         return True
 
+    def preempt_all(self) -> None:
+        """Requeue every running request (their KV is about to go away)."""
+        for req in reversed(list(self.running)):
+            self._preempt(req)
+
     def _preempt(self, req: Request) -> None:
         """Recompute-style preemption: drop the KV, requeue at the front."""
         self.running.remove(req)

@@ -58,6 +58,8 @@ class EngineLoop:
             "add": lambda e, c: e.add_request(c.request_id, *c.args),
             "abort": lambda e, c: e.abort(c.request_id),
             "release": lambda e, c: e.release_handoff(c.request_id),
+            "pause": lambda e, c: setattr(self, "is_paused", True),
+            "unpause": lambda e, c: setattr(self, "is_paused", False),
             **(handlers or {}),
         }
         self.idle_tick_s = idle_tick_s
@@ -65,6 +67,8 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._stopped = threading.Event()
         self.is_front = engine.ps.rank == 0
+        self.is_paused = False
+        """Paused: commands still apply (requests queue up) but no step runs."""
 
     # ------------------------------------------------------------ rank 0 API
     def submit(self, command: Command) -> concurrent.futures.Future:
@@ -90,7 +94,7 @@ class EngineLoop:
     # -------------------------------------------------------------- the loop
     def _take_commands(self) -> list[tuple[Command, concurrent.futures.Future]]:
         with self._cond:
-            if not self._pending and not self.engine.has_unfinished():
+            if not self._pending and (self.is_paused or not self.engine.has_unfinished()):
                 self._cond.wait(timeout=self.idle_tick_s)
             batch, self._pending = self._pending, []
         for request_id in self.engine.expired_handoffs():
@@ -107,7 +111,7 @@ class EngineLoop:
                 futures = [f for _, f in batch] if self.is_front else [None] * len(commands)
                 if self._apply_all(commands, futures):
                     return
-                if engine.has_unfinished():  # same answer on every rank: same state
+                if engine.has_unfinished() and not self.is_paused:  # same on every rank: same state
                     outputs = engine.step()
                     if self.after_step is not None:
                         self.after_step(engine, outputs)

@@ -28,11 +28,13 @@ from splitserve.engine.engine import Engine
 from splitserve.engine.handoff import RankEndpoint
 from splitserve.engine.llm import build_engine_config
 from splitserve.engine.serving import EngineLoop
+from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.transfer.transport import KVTransport
 
 log = logging.getLogger(__name__)
 
 TRANSPORTS = ("nixl", "inproc")
+ENGINES = ("torch", "sim")
 
 
 @dataclass(frozen=True)
@@ -44,17 +46,29 @@ class WorkerSpec:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     transport: str = "nixl"
-    """KV transport: nixl (UCX; DRAM on CPU, VRAM on GPU) or inproc (same process only)."""
+    """KV transport: nixl (UCX; DRAM on CPU, VRAM on GPU) or inproc (same process only).
+    Ignored by engine="sim", which has no KV memory (it uses the no-op sim transport)."""
     address: str = "127.0.0.1"
     """Host the transport advertises for this worker."""
     engine_options: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
+    engine: str = "torch"
+    """torch: run the model. sim: run none — modelled timing, a real block pool and
+    prefix cache, pseudo-tokens (engine/sim_engine.py); one rank only."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """Timing and vocabulary of engine="sim" (unused otherwise)."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "aggregated"):
             raise ValueError(f"role must be prefill, decode or aggregated, got {self.role!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.engine not in ENGINES:
+            raise ValueError(f"engine must be one of {ENGINES}, got {self.engine!r}")
+        if self.engine == "sim" and self.world_size != 1:
+            raise ValueError(
+                f"engine 'sim' runs one rank; got tp={self.tensor_parallel_size} x pp={self.pipeline_parallel_size}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -62,6 +76,10 @@ class WorkerSpec:
 
 
 def make_transport(kind: str) -> KVTransport:
+    if kind == "sim":
+        from splitserve.engine.sim_engine import SimTransport
+
+        return SimTransport()
     if kind == "nixl":
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
@@ -72,6 +90,10 @@ def make_transport(kind: str) -> KVTransport:
 
 
 def build_engine(spec: WorkerSpec) -> Engine:
+    if spec.engine == "sim":
+        from splitserve.engine.sim_engine import build_sim_engine
+
+        return build_sim_engine(spec.model, spec.role, spec.sim, spec.engine_options)
     config = build_engine_config(
         spec.model,
         role=spec.role,
@@ -85,22 +107,48 @@ def build_engine(spec: WorkerSpec) -> Engine:
 HooksFactory = Callable[[Engine, KVTransport, "dict[int, RankEndpoint] | None"], dict[str, Any]]
 
 
+def _expose(engine: Engine, transport: KVTransport, address: str) -> dict[int, RankEndpoint] | None:
+    """Expose this rank's KV pool; rank 0 gets every rank's endpoint (a collective)."""
+    metadata = transport.expose(engine.kv_caches)
+    gathered = engine.ps.gather_to_first((address, metadata))
+    if gathered is None:
+        return None
+    return {r: RankEndpoint(r, addr, meta) for r, (addr, meta) in enumerate(gathered)}
+
+
+def _lifecycle_handlers(spec: WorkerSpec, transport: KVTransport, state: Any) -> dict[str, Any]:
+    """suspend / resume / reload, run on every rank. After a resume the KV memory
+    is new, so it is exposed again and rank 0 publishes the new endpoints."""
+    from splitserve.engine import lifecycle
+
+    def suspend(engine: Engine, command) -> None:
+        transport.unexpose()
+        lifecycle.suspend(engine)
+
+    def resume(engine: Engine, command) -> None:
+        lifecycle.resume(engine)
+        endpoints = _expose(engine, transport, spec.address)
+        if endpoints is not None and hasattr(state, "endpoints"):
+            state.endpoints = endpoints
+
+    def reload(engine: Engine, command) -> None:
+        lifecycle.reload_weights(engine, *command.args)
+
+    return {"suspend": suspend, "resume": resume, "reload_weights": reload}
+
+
 def _build_rank(spec: WorkerSpec, hooks_factory: HooksFactory) -> tuple[Engine, KVTransport, EngineLoop, Any]:
     engine = build_engine(spec)
-    transport = make_transport(spec.transport)
-    metadata = transport.expose(engine.kv_caches)
-    gathered = engine.ps.gather_to_first((spec.address, metadata))
-    endpoints = None
-    if gathered is not None:
-        endpoints = {r: RankEndpoint(r, addr, meta) for r, (addr, meta) in enumerate(gathered)}
-    hooks = hooks_factory(engine, transport, endpoints)
+    transport = make_transport("sim" if spec.engine == "sim" else spec.transport)
+    hooks = hooks_factory(engine, transport, _expose(engine, transport, spec.address))
+    state = hooks.get("state")
     loop = EngineLoop(
         engine,
         on_output=hooks.get("on_output"),
         after_step=hooks.get("after_step"),
-        handlers=hooks.get("handlers"),
+        handlers={**_lifecycle_handlers(spec, transport, state), **(hooks.get("handlers") or {})},
     )
-    return engine, transport, loop, hooks.get("state")
+    return engine, transport, loop, state
 
 
 def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:

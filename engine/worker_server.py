@@ -56,6 +56,9 @@ async def serve_worker(
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    follower = None
+    if registration is not None:
+        follower = asyncio.get_running_loop().create_task(follow_lifecycle(registration, group))
     print(f"READY {address}", flush=True)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -63,6 +66,8 @@ async def serve_worker(
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    if follower is not None:
+        follower.cancel()
     await drain(group, health_servicer, registration, grace_s)
     await server.stop(1.0)
     await asyncio.to_thread(group.close)
@@ -87,6 +92,48 @@ async def drain(group: WorkerGroup, health_servicer, registration, grace_s: floa
         await asyncio.sleep(0.05)
     log.warning("drain timed out: %d in flight, %d pinned blocks", group.num_in_flight, engine.num_pinned_blocks)
     return False
+
+
+async def follow_lifecycle(registration, group: WorkerGroup, poll_s: float = 0.1) -> None:
+    """Bring the group to the cluster lifecycle the control plane publishes:
+    pause / unpause, suspend / resume, and a weight reload whenever the
+    cluster's weights_version is ahead of ours (only ever while suspended)."""
+    from splitserve.control_plane.lifecycle import LifecycleState
+    from splitserve.engine.serving import Command
+
+    paused = suspended = False
+    version = registration.topology.lifecycle.weights_version if registration.topology else 0
+
+    async def do(kind: str, *args) -> None:
+        await asyncio.wrap_future(group.loop.submit(Command(kind, args=args)))
+        log.info("lifecycle: %s %s", kind, " ".join(map(str, args)))
+
+    while True:
+        topology = registration.topology
+        if topology is not None:
+            target = topology.lifecycle
+            try:
+                # A reload we missed (the cluster already resumed) still goes through
+                # pause -> suspend -> reload locally: weights never change under a step.
+                reload = target.weights_version > version and bool(target.checkpoint_path)
+                if (target.state is not LifecycleState.RUNNING or reload) and not paused:
+                    await do("pause")
+                    paused = True
+                if (target.state is LifecycleState.SUSPENDED or reload) and not suspended:
+                    await do("suspend")
+                    suspended = True
+                if reload:
+                    version = target.weights_version  # also on failure: no retry storm
+                    await do("reload_weights", target.checkpoint_path)
+                if target.state is not LifecycleState.SUSPENDED and suspended:
+                    await do("resume")
+                    suspended = False
+                if target.state is LifecycleState.RUNNING and paused:
+                    await do("unpause")
+                    paused = False
+            except Exception:  # keep following; the next change may succeed
+                log.exception("lifecycle step failed")
+        await asyncio.sleep(poll_s)
 
 
 def _free_port(host: str) -> int:

@@ -225,6 +225,11 @@ class NixlTransport(KVTransport):
                 f"{plan.src.dtype}"
             )
 
+    def unexpose(self) -> None:
+        for descs in self._registered.values():
+            self._agent.deregister_memory(descs)
+        self._registered.clear()
+
     def close(self) -> None:
         if self._closed:
             return

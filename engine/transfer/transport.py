@@ -77,6 +77,9 @@ class KVTransport(abc.ABC):
         done; raises `TransferTimeout` after `timeout_s`, `TransferError` on failure.
         """
 
+    def unexpose(self) -> None:  # noqa: B027 - optional hook, a no-op for transports holding no registrations
+        """Forget the exposed memory before it is freed (lifecycle suspend); `expose` again after."""
+
     @abc.abstractmethod
     def close(self) -> None:
         """Release registrations and connections. Idempotent."""

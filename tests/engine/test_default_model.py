@@ -9,12 +9,14 @@ import math
 
 import jinja2
 import pytest
-import splitserve.engine.default_model as default_model
 import torch
 from safetensors import safe_open
+from tokenizers import Tokenizer
+
+import splitserve.engine.default_model as default_model
 from splitserve.engine.default_model import REQUIRED_FILES, default_model_path
 from splitserve.engine.default_model.corpus import HELD_OUT_MODULES, held_out_text
-from tokenizers import Tokenizer
+from splitserve.engine.default_model.evaluate import greedy
 
 MAX_DIR_BYTES = 6 * 1024 * 1024
 
@@ -136,18 +138,22 @@ def test_held_out_loss_is_well_below_uniform(model, tokenizer):
     assert loss < 0.6 * uniform, f"held-out loss {loss:.3f} vs uniform {uniform:.3f}"
 
 
-@torch.no_grad()
 def test_greedy_continuation_is_readable_text(model, tokenizer):
-    ids = tokenizer.encode("def ").ids
-    input_ids = torch.tensor([ids])
-    out = model.generate(
-        input_ids=input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=24, do_sample=False
-    )
-    text = tokenizer.decode(out[0, len(ids) :].tolist(), skip_special_tokens=True)
+    text = greedy(model, tokenizer, "def ", max_new_tokens=24)
     assert len(text) >= 24
     printable = sum(c.isprintable() or c in "\n\t" for c in text)
     assert printable == len(text), repr(text)
     assert sum(c.isalpha() for c in text) >= len(text) // 3, repr(text)
+
+
+def test_greedy_heals_a_trailing_space_into_a_function_name(model, tokenizer):
+    # "def " ends in a lone-space token the model has hardly seen; healing regenerates the
+    # space as the start of the next token, so the continuation is the function's name.
+    healed = greedy(model, tokenizer, "def ", max_new_tokens=8)
+    assert healed[:1].isidentifier(), repr(healed)
+    assert tokenizer.decode(tokenizer.encode("def " + healed).ids, skip_special_tokens=True).startswith(
+        "def "
+    )
 
 
 @pytest.mark.slow

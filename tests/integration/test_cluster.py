@@ -131,3 +131,36 @@ def test_sigterm_drains_in_flight_work_then_exits_zero(cluster):
     assert not errors and len(got) == 60
     topo = _wait(lambda: (t := _topology(cluster["cp"])) and all(w.address != decode.address for w in t.workers) and t, 15, "not deregistered")
     assert topo is not None
+
+
+def _lifecycle(address, action, path=""):
+    with grpc.insecure_channel(address) as ch:
+        stub = control_plane_pb2_grpc.ControlPlaneStub(ch)
+        stub.Lifecycle(control_plane_pb2.LifecycleRequest(action=action, checkpoint_path=path), timeout=10)
+
+
+def test_pause_suspend_reload_resume_reach_every_worker(cluster, tmp_path):
+    """Runs after the drain test: only the prefill worker is left; drive it directly."""
+    from splitserve.proto.v1 import prefill_worker_pb2, prefill_worker_pb2_grpc
+
+    prefill = cluster["prefill"]
+    params = sampling_to_proto(SamplingParams(num_tokens_to_generate=4, temperature=0.0))
+    request = prefill_worker_pb2.PrefillRequest(request_id="p1", token_ids=[5, 6, 7, 8], sampling_params=params)
+    with grpc.insecure_channel(prefill.address) as ch:
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(ch)
+        first = stub.Prefill(request, timeout=30).handoff.first_token_id
+        _lifecycle(cluster["cp"], control_plane_pb2.LIFECYCLE_ACTION_PAUSE)
+        time.sleep(0.5)
+        future = stub.Prefill.future(prefill_worker_pb2.PrefillRequest(request_id="p2", token_ids=[5, 6, 7, 8], sampling_params=params), timeout=30)
+        time.sleep(1.0)
+        assert not future.done()  # paused: queued, not scheduled
+        new_model = tmp_path / "v2"
+        hf = build_hf_checkpoint(new_model, "llama", num_hidden_layers=2, seed=99)
+        _lifecycle(cluster["cp"], control_plane_pb2.LIFECYCLE_ACTION_SUSPEND)
+        _lifecycle(cluster["cp"], control_plane_pb2.LIFECYCLE_ACTION_RELOAD_WEIGHTS, str(new_model))
+        _lifecycle(cluster["cp"], control_plane_pb2.LIFECYCLE_ACTION_RESUME)
+        _lifecycle(cluster["cp"], control_plane_pb2.LIFECYCLE_ACTION_UNPAUSE)
+        second = future.result(timeout=30).handoff.first_token_id
+    expected = int(hf(torch.tensor([[5, 6, 7, 8]])).logits[0, -1].argmax())
+    assert second == expected
+    assert first != second or expected == first

@@ -1,0 +1,56 @@
+"""Engine-side lifecycle for reinforcement-learning loops (the control plane
+drives it; see control_plane/lifecycle.py for the states):
+
+    suspend(engine)          free the KV memory, keep the process and the weights
+    resume(engine)           reallocate it (zeroed); the tensors keep their shapes
+    reload_weights(engine, path)   load a new checkpoint of the same architecture
+
+Suspending drops every handoff pin and preempts running requests back to the
+waiting queue (they are recomputed after resume), and clears the prefix cache,
+so nothing refers to freed memory. Called on every rank of a group, in step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.loader import load_weights
+
+
+def suspend(engine) -> None:
+    for request_id in list(engine.handoffs):
+        engine.release_handoff(request_id)
+    engine.scheduler.preempt_all()
+    engine.pool.reset_prefix_cache()
+    for kv in engine.kv_caches:
+        kv.untyped_storage().resize_(0)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    engine.is_suspended = True
+
+
+def resume(engine) -> None:
+    for kv in engine.kv_caches:
+        kv.untyped_storage().resize_(kv.numel() * kv.element_size())
+        kv.zero_()
+    engine.is_suspended = False
+
+
+_SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "tie_word_embeddings", "qkv_bias")
+
+
+def reload_weights(engine, path: str) -> None:
+    """Load `path` into the running model. Refuses a different architecture."""
+    new = ModelConfig.from_checkpoint(path)
+    old = engine.model_config
+    diff = [f for f in _SHAPE_FIELDS if getattr(new, f) != getattr(old, f)]
+    if diff:
+        raise ValueError(f"checkpoint {path!r} differs in {diff}; reload needs the same architecture")
+    load_weights(engine.runner.model, path, engine.runner.dtype, engine.runner.device)
+    engine.model_path = path
+    engine.model_config = dataclasses.replace(old, name=new.name)
+    engine.pool.reset_prefix_cache()  # cached KV was computed by the old weights
