@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-DEFAULT_PROMPTS = ["def fibonacci(n):", "class Stack:\n    \"\"\"", "import os\n\n\ndef "]
+DEFAULT_PROMPTS = ["def fibonacci(n):", "class Stack:\n    \"\"\"", "import os\n\n\ndef"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

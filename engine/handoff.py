@@ -20,6 +20,7 @@ lets a decode side that reused some cached blocks verify exactly what it pulled.
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,18 @@ from splitserve.engine.transfer.plan import build_plan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats
 
 PRIME = (1 << 31) - 1
+
+
+class HandoffStage(enum.Enum):
+    """Where a decode-side import is; a failure names the stage it happened in.
+
+    planning -> transferring -> verifying -> (done | failed). Every wait has a
+    deadline (the transport's timeout), so no stage can hang.
+    """
+
+    PLANNING = "planning"
+    TRANSFERRING = "transferring"
+    VERIFYING = "verifying"
 
 
 class ChecksumMismatchError(TransferError):
@@ -208,26 +221,34 @@ def make_importer(
         if desc.model_fingerprint != model_fingerprint(engine.model_path):
             raise TransferError("handoff comes from a different model (fingerprint mismatch)")
         n = len(desc.rank_block_ids[0])
+        stage = HandoffStage.PLANNING
         error: Exception | None = None
         partial = torch.zeros(max(0, n - first_block), 2, dtype=torch.int64, device=engine.kv_caches[0].device)
         stats = TransferStats(0, 0.0, 0)
         try:
             plan = build_plan(desc.layout, dst, desc.rank_block_ids, {r: block_ids for r in range(dst.world_size)}, first_block)
             remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
+            stage = HandoffStage.TRANSFERRING
             if plan.ops_for_dst(engine.ps.rank):
                 stats = transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
+            stage = HandoffStage.VERIFYING
             partial = partial_block_checksums(engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
         except Exception as exc:  # vote below; every rank must reach the collectives
             error = exc
         if not engine.ps.all_true(error is None):
-            raise error if error is not None else TransferError("a peer rank failed its part of the pull")
+            if error is None:
+                raise TransferError(f"handoff {desc.request_id}: a peer rank failed its part of the pull")
+            kind = type(error) if isinstance(error, TransferError) else TransferError
+            raise kind(f"handoff {desc.request_id}: {stage.value} failed: {error}") from error
         if engine.ps.world_size > 1:
             dist.all_reduce(partial)
         got = pack_checksums(partial)
         want = desc.block_checksums[first_block:]
         if got != want:
             bad = [first_block + i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b]
-            raise ChecksumMismatchError(f"pulled blocks {bad[:8]} do not match their checksums")
+            raise ChecksumMismatchError(
+                f"handoff {desc.request_id}: verifying failed: pulled blocks {bad[:8]} do not match their checksums"
+            )
         if stats_out is not None:
             stats_out.append(stats)
 
