@@ -33,17 +33,32 @@ class PrefillSeq:
     """[ceil(ctx_len / block_size)] int64 block ids."""
 
 
+_EMPTY = torch.empty(0, dtype=torch.long)
+
+
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] int64 cache slot of every token in the flat batch."""
-    decode_token_idx: torch.Tensor
+    backend: str = "torch"
+    """`torch` (this module, any device) or `triton` (kernels/, CUDA or the interpreter)."""
+    is_decode_only: bool = False
+    """Every sequence contributes exactly one token (the CUDA-graph case)."""
+    # --- torch backend
+    decode_token_idx: torch.Tensor = _EMPTY
     """[B] flat-batch index of each decode token."""
-    decode_block_tables: torch.Tensor
+    decode_block_tables: torch.Tensor = _EMPTY
     """[B, max_blocks] int64, padded with block 0 (masked out)."""
-    decode_ctx_lens: torch.Tensor
+    decode_ctx_lens: torch.Tensor = _EMPTY
     """[B] int64 context length including the new token."""
-    prefills: tuple[PrefillSeq, ...]
+    prefills: tuple[PrefillSeq, ...] = ()
+    # --- triton backend: every sequence, in flat-batch order
+    block_tables: torch.Tensor = _EMPTY
+    """[S, max_blocks] int64, padded with the scratch block."""
+    q_starts: torch.Tensor = _EMPTY
+    """[S + 1] cumulative token offsets of the sequences in the flat batch."""
+    ctx_lens: torch.Tensor = _EMPTY
+    """[S] tokens with KV after this step."""
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -66,6 +81,8 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> output [T, Hq, D]."""
+    if meta.backend == "triton":
+        return _triton_attention(q, k, v, kv, meta, scale)
     write_kv(kv, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     if meta.decode_token_idx.numel():
@@ -90,3 +107,12 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
         out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
     return out
+
+
+def _triton_attention(q, k, v, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    from splitserve import kernels
+
+    kernels.write_kv(kv, k, v, meta.slot_mapping)
+    if meta.is_decode_only:  # one token per sequence: the flash-decoding kernel
+        return kernels.paged_decode_attention(q, kv, meta.block_tables, meta.ctx_lens, scale)
+    return kernels.paged_prefill_attention(q, kv, meta.block_tables, meta.q_starts, meta.ctx_lens, scale)

@@ -110,6 +110,13 @@ class EngineConfig:
     logprobs_mode: LogprobsMode = "raw_logprobs"
     """raw: log-softmax of the model's logits. processed: after temperature,
     top-k and top-p."""
+    attention_backend: str = "auto"
+    """`torch` (SDPA over gathered blocks; CPU and GPU), `triton` (paged kernels in
+    kernels/; CUDA, or CPU under TRITON_INTERPRET=1), or `auto`: triton on CUDA, else torch."""
+    enable_cuda_graphs: bool = True
+    """Replay captured CUDA graphs for decode-only steps (triton backend, CUDA, pp=1)."""
+    cuda_graph_max_batch: int = 256
+    """Largest decode batch served by a graph; bigger batches run eagerly."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -121,6 +128,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.role not in ("aggregated", "prefill", "decode"):
             raise ValueError(f"role must be aggregated, prefill or decode, got {self.role!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}"

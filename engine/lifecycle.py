@@ -25,6 +25,8 @@ def suspend(engine) -> None:
         engine.release_handoff(request_id)
     engine.scheduler.preempt_all()
     engine.pool.reset_prefix_cache()
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.reset()
     for kv in engine.kv_caches:
         kv.untyped_storage().resize_(0)
     if torch.cuda.is_available():

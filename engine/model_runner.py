@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, PrefillSeq
+from splitserve.engine.batch import prepare_inputs
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from splitserve.engine.models.config import ModelConfig
@@ -29,6 +29,14 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
+
+
+def resolve_backend(name: str, device: torch.device) -> str:
+    if name != "auto":
+        return name
+    from splitserve import kernels
+
+    return "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
 
 
 def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.dtype:
@@ -59,9 +67,12 @@ class ModelRunner:
         self.model = build_model(model_config, ps, config.model, self.dtype, self.device)
         self.block_size = config.cache.block_size_tokens
         self.num_blocks = num_blocks_for(model_config, ps, config.cache, self.dtype)
+        # One block more than the pool hands out: the scratch block that padded
+        # rows of a CUDA-graph batch write to and read from.
+        self.scratch_block = self.num_blocks
         self.kv_caches = allocate_kv_caches(
             self.model.num_local_layers,
-            self.num_blocks,
+            self.num_blocks + 1,
             self.model.num_local_kv_heads,
             self.block_size,
             model_config.head_dim,
@@ -69,60 +80,38 @@ class ModelRunner:
             self.device,
         )
         self._hidden_size = model_config.hidden_size
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        self.graphs = None
+        if self.backend == "triton" and self.device.type == "cuda" and config.enable_cuda_graphs and ps.pp_size == 1:
+            from splitserve.engine.cuda_graphs import DecodeGraphs
+
+            max_len = config.scheduler.max_sequence_length or model_config.max_position_embeddings
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                max_batch=min(config.cuda_graph_max_batch, config.scheduler.max_requests),
+                max_blocks=-(-max_len // self.block_size),
+                scratch_block=self.scratch_block,
+                block_size=self.block_size,
+            )
         self._base_seeds: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
-
-    # ----------------------------------------------------------------- batch
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        bs = self.block_size
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        decode_idx: list[int] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillSeq] = []
-        for chunk in out.chunks:
-            req = chunk.request
-            q_start = len(ids)
-            tokens = req.all_token_ids[chunk.start : chunk.start + chunk.num_tokens]
-            pos = range(chunk.start, chunk.start + chunk.num_tokens)
-            ids.extend(tokens)
-            positions.extend(pos)
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in pos)
-            ctx_len = chunk.start + chunk.num_tokens
-            num_blocks = -(-ctx_len // bs)
-            if chunk.num_tokens == 1:
-                decode_idx.append(q_start)
-                decode_tables.append(req.block_ids[:num_blocks])
-                decode_lens.append(ctx_len)
-            else:
-                table = torch.tensor(req.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-                prefills.append(PrefillSeq(q_start, chunk.num_tokens, ctx_len, table))
-        width = max((len(t) for t in decode_tables), default=0)
-        padded = [t + [0] * (width - len(t)) for t in decode_tables]
-
-        def tensor(x):
-            return torch.tensor(x, dtype=torch.long, device=self.device)
-
-        meta = AttentionMetadata(
-            slot_mapping=tensor(slots),
-            decode_token_idx=tensor(decode_idx),
-            decode_block_tables=tensor(padded).reshape(len(padded), width),
-            decode_ctx_lens=tensor(decode_lens),
-            prefills=tuple(prefills),
-        )
-        return tensor(ids), tensor(positions), meta
 
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[ChunkResult]:
-        input_ids, positions, meta = self._prepare(out)
+        inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device)
+        results = None
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs)
+            if self.ps.is_driver:
+                spans = [(i, i + 1) for i in range(len(out.chunks))]
+                results = self._sample_logits(out, logits, spans)
+            return self.ps.broadcast_from_driver(results)
         hidden = None
         if not self.ps.is_first_stage:
-            hidden = self.ps.recv_prev((len(input_ids), self._hidden_size), self.dtype, self.device)
-        hidden = self.model(positions, meta, self.kv_caches, input_ids=input_ids, hidden=hidden)
-        results = None
+            hidden = self.ps.recv_prev((len(inputs.input_ids), self._hidden_size), self.dtype, self.device)
+        hidden = self.model(inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden)
         if not self.ps.is_last_stage:
             self.ps.send_next(hidden)
         elif self.ps.is_driver:
@@ -142,6 +131,10 @@ class ModelRunner:
             spans.append((first, len(rows)))
             offset += chunk.num_tokens
         logits = self.model.compute_logits(hidden[rows]) if rows else None
+        return self._sample_logits(out, logits, spans)
+
+    def _sample_logits(self, out: SchedulerOutput, logits, spans: list[tuple[int, int]]) -> list[ChunkResult]:
+        """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples)."""
         # Plain greedy rows (the common case) share one argmax and one host sync.
         greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
         results = []
