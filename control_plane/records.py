@@ -30,6 +30,10 @@ class WorkerRecord:
     """The role it accepts; None = any."""
     num_gpu_ranks: int = 1
     """GPU ranks the process drives (it holds that many consecutive slots)."""
+    kv_events_endpoint: str | None = None
+    """ZMQ PUB endpoint of the worker's KV-event publisher (routers subscribe); None = no events."""
+    kv_block_size: int | None = None
+    """Tokens per KV block of the worker's prefix cache; None = not advertised."""
 
     def __post_init__(self) -> None:
         check_name("worker_id", self.worker_id)
@@ -38,11 +42,22 @@ class WorkerRecord:
             raise ValueError(f"role must be a Role or None, got {self.role!r}")
         if not isinstance(self.num_gpu_ranks, int) or self.num_gpu_ranks < 1:
             raise ValueError(f"num_gpu_ranks must be a positive integer, got {self.num_gpu_ranks!r}")
+        if self.kv_events_endpoint is not None and (
+            not isinstance(self.kv_events_endpoint, str) or "://" not in self.kv_events_endpoint
+        ):
+            raise ValueError(f"kv_events_endpoint must be a ZMQ endpoint like tcp://host:port, got {self.kv_events_endpoint!r}")
+        if self.kv_block_size is not None and (not isinstance(self.kv_block_size, int) or self.kv_block_size < 1):
+            raise ValueError(f"kv_block_size must be a positive integer or None, got {self.kv_block_size!r}")
 
     def encode(self) -> bytes:
         role = None if self.role is None else self.role.value
         fields = {"worker_id": self.worker_id, "address": self.address, "role": role}
         fields["num_gpu_ranks"] = self.num_gpu_ranks
+        # Written only when set, so records stay readable by older code.
+        if self.kv_events_endpoint is not None:
+            fields["kv_events_endpoint"] = self.kv_events_endpoint
+        if self.kv_block_size is not None:
+            fields["kv_block_size"] = self.kv_block_size
         return json.dumps(fields, sort_keys=True).encode()
 
     @classmethod
@@ -54,6 +69,8 @@ class WorkerRecord:
             address=fields["address"],
             role=None if role is None else Role(role),
             num_gpu_ranks=fields["num_gpu_ranks"],
+            kv_events_endpoint=fields.get("kv_events_endpoint"),
+            kv_block_size=fields.get("kv_block_size"),
         )
 
 

@@ -123,7 +123,8 @@ def topology_to_proto(topology: Topology) -> control_plane_pb2.Topology:
             control_plane_pb2.WorkerStatus(
                 worker_id=w.worker_id, address=w.address, role=_ROLE_TO_PROTO[w.record.role],
                 num_gpu_ranks=w.record.num_gpu_ranks, slot_ids=w.slot_ids, is_draining=w.is_draining,
-                lease_id=w.lease_id,
+                lease_id=w.lease_id, kv_events_endpoint=w.record.kv_events_endpoint or "",
+                kv_block_size=w.record.kv_block_size or 0,
             )  # fmt: skip
             for w in topology.workers
         ],
@@ -135,7 +136,10 @@ def topology_to_proto(topology: Topology) -> control_plane_pb2.Topology:
 def topology_from_proto(message: control_plane_pb2.Topology) -> Topology:
     workers = tuple(
         WorkerInfo(
-            WorkerRecord(w.worker_id, w.address, role_from_proto(w.role), w.num_gpu_ranks),
+            WorkerRecord(
+                w.worker_id, w.address, role_from_proto(w.role), w.num_gpu_ranks,
+                w.kv_events_endpoint or None, w.kv_block_size or None,
+            ),
             w.lease_id, tuple(w.slot_ids), w.is_draining,
         )  # fmt: skip
         for w in message.workers
@@ -152,7 +156,10 @@ def topology_from_proto(message: control_plane_pb2.Topology) -> Topology:
 
 
 def registration_from_proto(message: control_plane_pb2.RegisterRequest) -> Registration:
-    record = WorkerRecord(message.worker_id, message.address, role_from_proto(message.role), message.num_gpu_ranks or 1)
+    record = WorkerRecord(
+        message.worker_id, message.address, role_from_proto(message.role), message.num_gpu_ranks or 1,
+        message.kv_events_endpoint or None, message.kv_block_size or None,
+    )
     return Registration(record, message.lease_id, tuple(message.preferred_slot_ids))
 
 

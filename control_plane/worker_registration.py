@@ -82,8 +82,14 @@ class WorkerRegistration:
         keys: ClusterKeys | None = None,
         lease_ttl_s: int = DEFAULT_LEASE_TTL_S,
         control_plane: str | None = None,
+        kv_events_endpoint: str | None = None,
+        kv_block_size: int | None = None,
     ) -> None:
-        self.record = WorkerRecord(worker_id or default_worker_id(), address, role, num_gpu_ranks)
+        """`kv_events_endpoint` / `kv_block_size` are advertised in the topology for routers:
+        the worker's KVEventPublisher.endpoint and its KV block size."""
+        self.record = WorkerRecord(
+            worker_id or default_worker_id(), address, role, num_gpu_ranks, kv_events_endpoint, kv_block_size
+        )
         self._keys = keys or ClusterKeys()
         self._client = connect(etcd)
         self._lease_ttl_s = lease_ttl_s
@@ -205,7 +211,8 @@ class WorkerRegistration:
             return control_plane_pb2.RegisterRequest(
                 worker_id=self.worker_id, address=self.record.address, role=role_to_proto(self.record.role),
                 num_gpu_ranks=self.record.num_gpu_ranks, lease_id=self._keeper.lease_id,
-                preferred_slot_ids=preferred_slot_ids,
+                preferred_slot_ids=preferred_slot_ids, kv_events_endpoint=self.record.kv_events_endpoint or "",
+                kv_block_size=self.record.kv_block_size or 0,
             )  # fmt: skip
 
         async def call(stub: control_plane_pb2_grpc.ControlPlaneStub) -> control_plane_pb2.Assignment:

@@ -1,1 +1,78 @@
-"""splitserve.kernels."""
+"""splitserve.kernels: Triton kernels for paged attention and KV writes.
+
+Every kernel has a plain-torch reference in `reference.py` and a test comparing
+the two (tests/kernels/). Importing this package does not import triton (nor
+torch): the kernel modules load on first attribute access, so the engine can
+ask `triton_available()` first and fall back to its torch path.
+
+    from splitserve import kernels
+    if kernels.triton_available() and q.is_cuda:
+        out = kernels.paged_decode_attention(q, kv, block_tables, ctx_lens, scale)
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import os
+from typing import TYPE_CHECKING, Any
+
+__all__ = [
+    "DecodePlan",
+    "DecodeWorkspace",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "plan_decode",
+    "triton_available",
+    "write_kv",
+]
+
+_LAZY = {
+    "DecodePlan": "decode_plan",
+    "DecodeWorkspace": "decode_plan",
+    "plan_decode": "decode_plan",
+    "paged_decode_attention": "paged_decode",
+    "paged_prefill_attention": "paged_prefill",
+    "write_kv": "kv_write",
+}
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
+    from .kv_write import write_kv
+    from .paged_decode import paged_decode_attention
+    from .paged_prefill import paged_prefill_attention
+
+
+def triton_available() -> bool:
+    """True when the Triton kernels can run here: triton imports, and there is a
+    CUDA device or the Triton interpreter is on (`TRITON_INTERPRET=1`, CPU tests).
+
+    The interpreter is slow: callers on CPU should still prefer the torch path
+    unless they are testing the kernels.
+    """
+    if not _triton_importable():
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    if importlib.util.find_spec("triton") is None:
+        return False
+    try:
+        importlib.import_module("triton")
+    except Exception:  # a broken install (e.g. no matching driver libs) counts as absent
+        return False
+    return True
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'splitserve.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -17,6 +17,7 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("splitserve.engine.generate_cli", "generate text offline with one engine (TP/PP via --tp/--pp)"),
     "control-plane": ("splitserve.control_plane.cli", "run the gRPC control plane (etcd-backed shard assignment)"),
+    "router": ("splitserve.router.cli", "run a router (prefix/load-aware routing, prefill -> decode orchestration)"),
     "prefill-worker": ("splitserve.prefill_worker.cli", "run a prefill worker (computes and hands off KV)"),
     "decode-worker": ("splitserve.decode_worker.cli", "run a decode worker (imports KV, streams tokens)"),
 }

@@ -25,45 +25,45 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/v1/control_plane.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x9d\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x15\n\rnum_gpu_ranks\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\x03\x12\x1a\n\x12preferred_slot_ids\x18\x06 \x03(\x05\"\x9d\x01\n\x04Slot\x12\x0f\n\x07slot_id\x18\x01 \x01(\x05\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x05\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x12\n\ndp_replica\x18\x04 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07pp_rank\x18\x06 \x01(\x05\x12\n\n\x02tp\x18\x07 \x01(\x05\x12\n\n\x02pp\x18\x08 \x01(\x05\"8\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x8b\x01\n\nAssignment\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12\"\n\x05slots\x18\x03 \x03(\x0b\x32\x13.splitserve.v1.Slot\x12\"\n\x05peers\x18\x04 \x03(\x0b\x32\x13.splitserve.v1.Peer\x12\x10\n\x08revision\x18\x05 \x01(\x03\"\x14\n\x12GetTopologyRequest\".\n\x14WatchTopologyRequest\x12\x16\n\x0e\x61\x66ter_revision\x18\x01 \x01(\x03\"q\n\x0fLifecycleStatus\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.splitserve.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\"B\n\nSlotStatus\x12!\n\x04slot\x18\x01 \x01(\x0b\x32\x13.splitserve.v1.Slot\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\xa5\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x15\n\rnum_gpu_ranks\x18\x04 \x01(\x05\x12\x10\n\x08slot_ids\x18\x05 \x03(\x05\x12\x13\n\x0bis_draining\x18\x06 \x01(\x08\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\"\xec\x01\n\x08Topology\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x18\n\x10inference_shards\x18\x02 \x01(\t\x12\x31\n\tlifecycle\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.LifecycleStatus\x12(\n\x05slots\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.SlotStatus\x12,\n\x07workers\x18\x05 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x16\n\x0eleader_address\x18\x07 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"!\n\rDrainResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\"[\n\x10LifecycleRequest\x12.\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1e.splitserve.v1.LifecycleAction\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\"X\n\x11LifecycleResponse\x12\x31\n\tlifecycle\x18\x01 \x01(\x0b\x32\x1e.splitserve.v1.LifecycleStatus\x12\x10\n\x08revision\x18\x02 \x01(\x03*\x89\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LIFECYCLE_STATE_RUNNING\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_PAUSED\x10\x02\x12\x1d\n\x19LIFECYCLE_STATE_SUSPENDED\x10\x03*\xcd\x01\n\x0fLifecycleAction\x12 \n\x1cLIFECYCLE_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16LIFECYCLE_ACTION_PAUSE\x10\x01\x12\x1c\n\x18LIFECYCLE_ACTION_UNPAUSE\x10\x02\x12\x1c\n\x18LIFECYCLE_ACTION_SUSPEND\x10\x03\x12\x1b\n\x17LIFECYCLE_ACTION_RESUME\x10\x04\x12#\n\x1fLIFECYCLE_ACTION_RELOAD_WEIGHTS\x10\x05\x32\x85\x03\n\x0c\x43ontrolPlane\x12\x45\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x19.splitserve.v1.Assignment\x12I\n\x0bGetTopology\x12!.splitserve.v1.GetTopologyRequest\x1a\x17.splitserve.v1.Topology\x12O\n\rWatchTopology\x12#.splitserve.v1.WatchTopologyRequest\x1a\x17.splitserve.v1.Topology0\x01\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse\x12N\n\tLifecycle\x12\x1f.splitserve.v1.LifecycleRequest\x1a .splitserve.v1.LifecycleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/v1/control_plane.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xd0\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x15\n\rnum_gpu_ranks\x18\x04 \x01(\x05\x12\x10\n\x08lease_id\x18\x05 \x01(\x03\x12\x1a\n\x12preferred_slot_ids\x18\x06 \x03(\x05\x12\x1a\n\x12kv_events_endpoint\x18\x07 \x01(\t\x12\x15\n\rkv_block_size\x18\x08 \x01(\x05\"\x9d\x01\n\x04Slot\x12\x0f\n\x07slot_id\x18\x01 \x01(\x05\x12\x13\n\x0bgroup_index\x18\x02 \x01(\x05\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x12\n\ndp_replica\x18\x04 \x01(\x05\x12\x0f\n\x07tp_rank\x18\x05 \x01(\x05\x12\x0f\n\x07pp_rank\x18\x06 \x01(\x05\x12\n\n\x02tp\x18\x07 \x01(\x05\x12\n\n\x02pp\x18\x08 \x01(\x05\"8\n\x04Peer\x12\x0c\n\x04rank\x18\x01 \x01(\x05\x12\x11\n\tworker_id\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\"\x8b\x01\n\nAssignment\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08lease_id\x18\x02 \x01(\x03\x12\"\n\x05slots\x18\x03 \x03(\x0b\x32\x13.splitserve.v1.Slot\x12\"\n\x05peers\x18\x04 \x03(\x0b\x32\x13.splitserve.v1.Peer\x12\x10\n\x08revision\x18\x05 \x01(\x03\"\x14\n\x12GetTopologyRequest\".\n\x14WatchTopologyRequest\x12\x16\n\x0e\x61\x66ter_revision\x18\x01 \x01(\x03\"q\n\x0fLifecycleStatus\x12,\n\x05state\x18\x01 \x01(\x0e\x32\x1d.splitserve.v1.LifecycleState\x12\x17\n\x0fweights_version\x18\x02 \x01(\x03\x12\x17\n\x0f\x63heckpoint_path\x18\x03 \x01(\t\"B\n\nSlotStatus\x12!\n\x04slot\x18\x01 \x01(\x0b\x32\x13.splitserve.v1.Slot\x12\x11\n\tworker_id\x18\x02 \x01(\t\"\xd8\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12!\n\x04role\x18\x03 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x15\n\rnum_gpu_ranks\x18\x04 \x01(\x05\x12\x10\n\x08slot_ids\x18\x05 \x03(\x05\x12\x13\n\x0bis_draining\x18\x06 \x01(\x08\x12\x10\n\x08lease_id\x18\x07 \x01(\x03\x12\x1a\n\x12kv_events_endpoint\x18\x08 \x01(\t\x12\x15\n\rkv_block_size\x18\t \x01(\x05\"\xec\x01\n\x08Topology\x12\x10\n\x08revision\x18\x01 \x01(\x03\x12\x18\n\x10inference_shards\x18\x02 \x01(\t\x12\x31\n\tlifecycle\x18\x03 \x01(\x0b\x32\x1e.splitserve.v1.LifecycleStatus\x12(\n\x05slots\x18\x04 \x03(\x0b\x32\x19.splitserve.v1.SlotStatus\x12,\n\x07workers\x18\x05 \x03(\x0b\x32\x1b.splitserve.v1.WorkerStatus\x12\x11\n\tleader_id\x18\x06 \x01(\t\x12\x16\n\x0eleader_address\x18\x07 \x01(\t\"!\n\x0c\x44rainRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"!\n\rDrainResponse\x12\x10\n\x08revision\x18\x01 \x01(\x03\"[\n\x10LifecycleRequest\x12.\n\x06\x61\x63tion\x18\x01 \x01(\x0e\x32\x1e.splitserve.v1.LifecycleAction\x12\x17\n\x0f\x63heckpoint_path\x18\x02 \x01(\t\"X\n\x11LifecycleResponse\x12\x31\n\tlifecycle\x18\x01 \x01(\x0b\x32\x1e.splitserve.v1.LifecycleStatus\x12\x10\n\x08revision\x18\x02 \x01(\x03*\x89\x01\n\x0eLifecycleState\x12\x1f\n\x1bLIFECYCLE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17LIFECYCLE_STATE_RUNNING\x10\x01\x12\x1a\n\x16LIFECYCLE_STATE_PAUSED\x10\x02\x12\x1d\n\x19LIFECYCLE_STATE_SUSPENDED\x10\x03*\xcd\x01\n\x0fLifecycleAction\x12 \n\x1cLIFECYCLE_ACTION_UNSPECIFIED\x10\x00\x12\x1a\n\x16LIFECYCLE_ACTION_PAUSE\x10\x01\x12\x1c\n\x18LIFECYCLE_ACTION_UNPAUSE\x10\x02\x12\x1c\n\x18LIFECYCLE_ACTION_SUSPEND\x10\x03\x12\x1b\n\x17LIFECYCLE_ACTION_RESUME\x10\x04\x12#\n\x1fLIFECYCLE_ACTION_RELOAD_WEIGHTS\x10\x05\x32\x85\x03\n\x0c\x43ontrolPlane\x12\x45\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x19.splitserve.v1.Assignment\x12I\n\x0bGetTopology\x12!.splitserve.v1.GetTopologyRequest\x1a\x17.splitserve.v1.Topology\x12O\n\rWatchTopology\x12#.splitserve.v1.WatchTopologyRequest\x1a\x17.splitserve.v1.Topology0\x01\x12\x42\n\x05\x44rain\x12\x1b.splitserve.v1.DrainRequest\x1a\x1c.splitserve.v1.DrainResponse\x12N\n\tLifecycle\x12\x1f.splitserve.v1.LifecycleRequest\x1a .splitserve.v1.LifecycleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.control_plane_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LIFECYCLESTATE']._serialized_start=1514
-  _globals['_LIFECYCLESTATE']._serialized_end=1651
-  _globals['_LIFECYCLEACTION']._serialized_start=1654
-  _globals['_LIFECYCLEACTION']._serialized_end=1859
+  _globals['_LIFECYCLESTATE']._serialized_start=1616
+  _globals['_LIFECYCLESTATE']._serialized_end=1753
+  _globals['_LIFECYCLEACTION']._serialized_start=1756
+  _globals['_LIFECYCLEACTION']._serialized_end=1961
   _globals['_REGISTERREQUEST']._serialized_start=81
-  _globals['_REGISTERREQUEST']._serialized_end=238
-  _globals['_SLOT']._serialized_start=241
-  _globals['_SLOT']._serialized_end=398
-  _globals['_PEER']._serialized_start=400
-  _globals['_PEER']._serialized_end=456
-  _globals['_ASSIGNMENT']._serialized_start=459
-  _globals['_ASSIGNMENT']._serialized_end=598
-  _globals['_GETTOPOLOGYREQUEST']._serialized_start=600
-  _globals['_GETTOPOLOGYREQUEST']._serialized_end=620
-  _globals['_WATCHTOPOLOGYREQUEST']._serialized_start=622
-  _globals['_WATCHTOPOLOGYREQUEST']._serialized_end=668
-  _globals['_LIFECYCLESTATUS']._serialized_start=670
-  _globals['_LIFECYCLESTATUS']._serialized_end=783
-  _globals['_SLOTSTATUS']._serialized_start=785
-  _globals['_SLOTSTATUS']._serialized_end=851
-  _globals['_WORKERSTATUS']._serialized_start=854
-  _globals['_WORKERSTATUS']._serialized_end=1019
-  _globals['_TOPOLOGY']._serialized_start=1022
-  _globals['_TOPOLOGY']._serialized_end=1258
-  _globals['_DRAINREQUEST']._serialized_start=1260
-  _globals['_DRAINREQUEST']._serialized_end=1293
-  _globals['_DRAINRESPONSE']._serialized_start=1295
-  _globals['_DRAINRESPONSE']._serialized_end=1328
-  _globals['_LIFECYCLEREQUEST']._serialized_start=1330
-  _globals['_LIFECYCLEREQUEST']._serialized_end=1421
-  _globals['_LIFECYCLERESPONSE']._serialized_start=1423
-  _globals['_LIFECYCLERESPONSE']._serialized_end=1511
-  _globals['_CONTROLPLANE']._serialized_start=1862
-  _globals['_CONTROLPLANE']._serialized_end=2251
+  _globals['_REGISTERREQUEST']._serialized_end=289
+  _globals['_SLOT']._serialized_start=292
+  _globals['_SLOT']._serialized_end=449
+  _globals['_PEER']._serialized_start=451
+  _globals['_PEER']._serialized_end=507
+  _globals['_ASSIGNMENT']._serialized_start=510
+  _globals['_ASSIGNMENT']._serialized_end=649
+  _globals['_GETTOPOLOGYREQUEST']._serialized_start=651
+  _globals['_GETTOPOLOGYREQUEST']._serialized_end=671
+  _globals['_WATCHTOPOLOGYREQUEST']._serialized_start=673
+  _globals['_WATCHTOPOLOGYREQUEST']._serialized_end=719
+  _globals['_LIFECYCLESTATUS']._serialized_start=721
+  _globals['_LIFECYCLESTATUS']._serialized_end=834
+  _globals['_SLOTSTATUS']._serialized_start=836
+  _globals['_SLOTSTATUS']._serialized_end=902
+  _globals['_WORKERSTATUS']._serialized_start=905
+  _globals['_WORKERSTATUS']._serialized_end=1121
+  _globals['_TOPOLOGY']._serialized_start=1124
+  _globals['_TOPOLOGY']._serialized_end=1360
+  _globals['_DRAINREQUEST']._serialized_start=1362
+  _globals['_DRAINREQUEST']._serialized_end=1395
+  _globals['_DRAINRESPONSE']._serialized_start=1397
+  _globals['_DRAINRESPONSE']._serialized_end=1430
+  _globals['_LIFECYCLEREQUEST']._serialized_start=1432
+  _globals['_LIFECYCLEREQUEST']._serialized_end=1523
+  _globals['_LIFECYCLERESPONSE']._serialized_start=1525
+  _globals['_LIFECYCLERESPONSE']._serialized_end=1613
+  _globals['_CONTROLPLANE']._serialized_start=1964
+  _globals['_CONTROLPLANE']._serialized_end=2353
 # @@protoc_insertion_point(module_scope)

@@ -35,20 +35,24 @@ LIFECYCLE_ACTION_RESUME: LifecycleAction
 LIFECYCLE_ACTION_RELOAD_WEIGHTS: LifecycleAction
 
 class RegisterRequest(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "num_gpu_ranks", "lease_id", "preferred_slot_ids")
+    __slots__ = ("worker_id", "address", "role", "num_gpu_ranks", "lease_id", "preferred_slot_ids", "kv_events_endpoint", "kv_block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_GPU_RANKS_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PREFERRED_SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: _common_pb2.Role
     num_gpu_ranks: int
     lease_id: int
     preferred_slot_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., num_gpu_ranks: _Optional[int] = ..., lease_id: _Optional[int] = ..., preferred_slot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., num_gpu_ranks: _Optional[int] = ..., lease_id: _Optional[int] = ..., preferred_slot_ids: _Optional[_Iterable[int]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class Slot(_message.Message):
     __slots__ = ("slot_id", "group_index", "role", "dp_replica", "tp_rank", "pp_rank", "tp", "pp")
@@ -123,7 +127,7 @@ class SlotStatus(_message.Message):
     def __init__(self, slot: _Optional[_Union[Slot, _Mapping]] = ..., worker_id: _Optional[str] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "address", "role", "num_gpu_ranks", "slot_ids", "is_draining", "lease_id")
+    __slots__ = ("worker_id", "address", "role", "num_gpu_ranks", "slot_ids", "is_draining", "lease_id", "kv_events_endpoint", "kv_block_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +135,8 @@ class WorkerStatus(_message.Message):
     SLOT_IDS_FIELD_NUMBER: _ClassVar[int]
     IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     address: str
     role: _common_pb2.Role
@@ -138,7 +144,9 @@ class WorkerStatus(_message.Message):
     slot_ids: _containers.RepeatedScalarFieldContainer[int]
     is_draining: bool
     lease_id: int
-    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., num_gpu_ranks: _Optional[int] = ..., slot_ids: _Optional[_Iterable[int]] = ..., is_draining: _Optional[bool] = ..., lease_id: _Optional[int] = ...) -> None: ...
+    kv_events_endpoint: str
+    kv_block_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., num_gpu_ranks: _Optional[int] = ..., slot_ids: _Optional[_Iterable[int]] = ..., is_draining: _Optional[bool] = ..., lease_id: _Optional[int] = ..., kv_events_endpoint: _Optional[str] = ..., kv_block_size: _Optional[int] = ...) -> None: ...
 
 class Topology(_message.Message):
     __slots__ = ("revision", "inference_shards", "lifecycle", "slots", "workers", "leader_id", "leader_address")

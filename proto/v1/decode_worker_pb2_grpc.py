@@ -5,6 +5,7 @@ import warnings
 
 from splitserve.proto.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 from splitserve.proto.v1 import decode_worker_pb2 as splitserve_dot_v1_dot_decode__worker__pb2
+from splitserve.proto.v1 import prefill_worker_pb2 as splitserve_dot_v1_dot_prefill__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -45,6 +46,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
+        self.GetBlockSet = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/GetBlockSet',
+                request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -53,6 +59,21 @@ class DecodeWorkerServicer:
     def Decode(self, request, context):
         """Pulls the KV named by the handoff (or, without one, prefills locally),
         tells the prefill side to release it, and streams the generated tokens.
+
+        Contract with the router (router/orchestrator.py):
+        * With a handoff (disaggregated): the router has already sent the
+        handoff's first token to the client. The first DecodeChunk must start
+        with that token (token_ids[0] == handoff.first_token_id, with its
+        log-probs); the router drops exactly that one token and relays the rest.
+        * Without a handoff (aggregated: no prefill shards, a short uncached
+        prompt, or a retry after a failed transfer): the worker prefills
+        token_ids itself, reusing its own prefix cache, and streams every token
+        it samples, the first included; the first chunk reports
+        num_cached_tokens. On a retry the router passes the prompt plus the
+        tokens already sent and a reduced num_tokens_to_generate.
+        * The last chunk has finish_reason set; a stream that ends without one is
+        a failure. Errors before the first chunk make the router retry the
+        request on another decode worker.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -60,6 +81,14 @@ class DecodeWorkerServicer:
 
     def Abort(self, request, context):
         """Cancels a running decode; its stream ends with FINISH_REASON_ABORT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetBlockSet(self, request, context):
+        """Same contract as PrefillWorker.GetBlockSet: the decode worker's prefix
+        cache (imported blocks included), for routers that missed KV events.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -77,6 +106,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Abort,
                     request_deserializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
+            ),
+            'GetBlockSet': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBlockSet,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -133,6 +167,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Abort',
             splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             splitserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBlockSet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/GetBlockSet',
+            splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,11 +47,43 @@ class GetBlockSetRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class BlockSet(_message.Message):
-    __slots__ = ("block_hashes", "block_size", "event_sequence")
+    __slots__ = ("block_hashes", "block_size", "event_sequence", "block_digests")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     EVENT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
     block_hashes: _containers.RepeatedScalarFieldContainer[int]
     block_size: int
     event_sequence: int
-    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., event_sequence: _Optional[int] = ...) -> None: ...
+    block_digests: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., event_sequence: _Optional[int] = ..., block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PushKVRequest(_message.Message):
+    __slots__ = ("request_id", "dst_layout", "dst_block_ids", "first_block", "decode_worker_id", "group_key", "backend", "timeout_ms")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    dst_layout: _handoff_pb2.KVLayout
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_block: int
+    decode_worker_id: str
+    group_key: str
+    backend: str
+    timeout_ms: int
+    def __init__(self, request_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_handoff_pb2.KVLayout, _Mapping]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class PushKVResponse(_message.Message):
+    __slots__ = ("group_key", "store_path", "is_new_group")
+    GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
+    STORE_PATH_FIELD_NUMBER: _ClassVar[int]
+    IS_NEW_GROUP_FIELD_NUMBER: _ClassVar[int]
+    group_key: str
+    store_path: str
+    is_new_group: bool
+    def __init__(self, group_key: _Optional[str] = ..., store_path: _Optional[str] = ..., is_new_group: _Optional[bool] = ...) -> None: ...

@@ -55,6 +55,11 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
                 _registered_method=True)
+        self.PushKV = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/PushKV',
+                request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -85,7 +90,22 @@ class PrefillWorkerServicer:
 
     def GetBlockSet(self, request, context):
         """The content hashes of every cached block, so a router can rebuild its
-        prefix index after missing KV events.
+        prefix index after missing KV events. Must be consistent with the KV-event
+        stream: take the hashes and event_sequence together on the engine thread,
+        after publishing every drained event (KVEventPublisher.block_set does it).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKV(self, request, context):
+        """transport_kind "torch_dist" (NCCL on GPU, gloo on CPU): the decode worker
+        asks for a pinned request's KV to be sent to it over the process group of
+        the (prefill, decode) pair. Returns as soon as the prefill ranks have
+        decided, before they block on the transfer, naming the group to join: the
+        one the pair already has, or a new rendezvous. FAILED_PRECONDITION when
+        nothing is pinned for the request or the layouts or devices cannot be
+        paired; DEADLINE_EXCEEDED when the prefill ranks did not get to it in time.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +133,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetBlockSet,
                     request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.SerializeToString,
+            ),
+            'PushKV': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushKV,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +248,33 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/GetBlockSet',
             splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/PushKV',
+            splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

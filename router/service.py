@@ -1,0 +1,231 @@
+"""The Router gRPC service, and the one place the router converts protobuf to its dataclasses.
+
+Inbound (Router API) and outbound (PrefillWorker / DecodeWorker calls, KV
+event payloads, GetBlockSet answers) conversions are all here; the rest of
+the router sees messages.py types only. Errors map to status codes as
+follows:
+
+    OverloadedError          RESOURCE_EXHAUSTED  (max in flight, or every worker full)
+    NoWorkersError           UNAVAILABLE
+    DisaggRequiredError      FAILED_PRECONDITION (enforce_disagg, no prefill worker)
+    other RoutingError       UNAVAILABLE         (e.g. every prefill attempt failed under enforce_disagg)
+    DuplicateRequestError    ALREADY_EXISTS
+    bad request fields       INVALID_ARGUMENT
+    WorkerCallError          the worker's code if the request was bad, else UNAVAILABLE
+"""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from splitserve.proto.v1 import (
+    common_pb2,
+    decode_worker_pb2,
+    kv_events_pb2,
+    prefill_worker_pb2,
+    router_pb2,
+    router_pb2_grpc,
+)
+from splitserve.router.messages import (
+    AllBlocksCleared,
+    BlockSetSnapshot,
+    BlocksRemoved,
+    BlocksStored,
+    DecodeOutput,
+    FinishReason,
+    GenerateRequest,
+    KVEvent,
+    OutputChunk,
+    PrefillResult,
+    SamplingParams,
+    Tokens,
+    WorkerCallError,
+)
+from splitserve.router.orchestrator import DuplicateRequestError, Orchestrator
+from splitserve.router.policy import DisaggRequiredError, NoWorkersError, OverloadedError, RoutingError
+
+_FINISH_FROM_PROTO = {
+    common_pb2.FINISH_REASON_UNSPECIFIED: None,
+    common_pb2.FINISH_REASON_STOP: FinishReason.STOP,
+    common_pb2.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    common_pb2.FINISH_REASON_ABORT: FinishReason.ABORT,
+}
+_FINISH_TO_PROTO = {v: k for k, v in _FINISH_FROM_PROTO.items()}
+
+
+# ------------------------------------------------------------------ sampling
+def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        num_tokens_to_generate=message.num_tokens_to_generate, temperature=message.temperature,
+        top_k=message.top_k, top_p=message.top_p, seed=message.seed if message.HasField("seed") else None,
+        termination_ids=tuple(message.termination_ids), stop_words=tuple(message.stop_words),
+        return_log_probs=message.return_log_probs, top_n_logprobs=message.top_n_logprobs,
+    )  # fmt: skip
+
+
+def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        num_tokens_to_generate=params.num_tokens_to_generate, temperature=params.temperature,
+        top_k=params.top_k, top_p=params.top_p, seed=params.seed, termination_ids=params.termination_ids,
+        stop_words=params.stop_words, return_log_probs=params.return_log_probs,
+        top_n_logprobs=params.top_n_logprobs,
+    )  # fmt: skip
+
+
+def _tokens_from_proto(token_ids, logprobs, top_logprobs) -> Tokens:
+    tops = tuple(tuple((t.token_id, t.logprob) for t in position.top_logprobs) for position in top_logprobs)
+    return Tokens(tuple(token_ids), tuple(logprobs), tops)
+
+
+def _top_logprobs_to_proto(tokens: Tokens) -> list[common_pb2.TokenTopLogprobs]:
+    return [
+        common_pb2.TokenTopLogprobs(top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in position])
+        for position in tokens.top_logprobs
+    ]
+
+
+# ------------------------------------------------------------------ Router API
+def generate_request_from_proto(message: router_pb2.GenerateRequest) -> GenerateRequest:
+    """Raises ValueError (quoting the bad value) for an invalid request."""
+    if not message.HasField("sampling_params"):
+        raise ValueError("sampling_params is required (num_tokens_to_generate at least)")
+    return GenerateRequest(
+        request_id=message.request_id,
+        token_ids=tuple(message.token_ids),
+        sampling_params=sampling_params_from_proto(message.sampling_params),
+        return_timing=message.return_timing,
+        enforce_disagg=message.enforce_disagg if message.HasField("enforce_disagg") else None,
+    )
+
+
+def chunk_to_proto(chunk: OutputChunk) -> router_pb2.GenerateChunk:
+    tokens = chunk.tokens
+    message = router_pb2.GenerateChunk(
+        token_ids=tokens.token_ids, logprobs=tokens.logprobs, top_logprobs=_top_logprobs_to_proto(tokens),
+        finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],
+    )  # fmt: skip
+    if chunk.usage is not None:
+        u = chunk.usage
+        message.usage.CopyFrom(router_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
+    if chunk.routing is not None:
+        r = chunk.routing
+        message.routing.CopyFrom(router_pb2.RoutingSummary(
+            prefill_worker_id=r.prefill_worker_id or "", decode_worker_id=r.decode_worker_id,
+            predicted_cached_tokens=r.predicted_cached_tokens, reason=r.reason,
+            num_prefill_attempts=r.num_prefill_attempts, num_decode_attempts=r.num_decode_attempts,
+            num_transfer_blocks=r.num_transfer_blocks,
+        ))  # fmt: skip
+    if chunk.timing is not None:
+        t = chunk.timing
+        message.timing.CopyFrom(router_pb2.TimingSummary(
+            route_ms=t.route_ms, prefill_ms=t.prefill_ms, time_to_first_token_ms=t.time_to_first_token_ms,
+            total_ms=t.total_ms,
+        ))  # fmt: skip
+    return message
+
+
+# ----------------------------------------------------------------- worker API
+def prefill_request_to_proto(request: GenerateRequest, decode_worker_id: str) -> prefill_worker_pb2.PrefillRequest:
+    return prefill_worker_pb2.PrefillRequest(
+        request_id=request.request_id, token_ids=request.token_ids,
+        sampling_params=sampling_params_to_proto(request.sampling_params), decode_worker_id=decode_worker_id,
+    )  # fmt: skip
+
+
+def prefill_result_from_proto(message: prefill_worker_pb2.PrefillResponse) -> PrefillResult:
+    """Raises ValueError when the reply lacks its handoff (and with it the first token)."""
+    if not message.HasField("handoff"):
+        raise ValueError("PrefillResponse has no handoff (and so no first token)")
+    handoff = message.handoff
+    logprobs = (handoff.first_token_logprob,) if handoff.HasField("first_token_logprob") else ()
+    tops = (tuple((t.token_id, t.logprob) for t in handoff.first_token_top_logprobs),)
+    first = Tokens((handoff.first_token_id,), logprobs, tops if handoff.first_token_top_logprobs else ())
+    return PrefillResult(
+        first=first, num_cached_tokens=message.num_cached_tokens,
+        finish_reason=_FINISH_FROM_PROTO.get(message.finish_reason), handoff=handoff.SerializeToString(),
+        lease_deadline_unix_ms=handoff.lease_deadline_unix_ms,
+    )  # fmt: skip
+
+
+def decode_request_to_proto(
+    request: GenerateRequest, handoff: bytes | None, prefill_address: str | None
+) -> decode_worker_pb2.DecodeRequest:
+    message = decode_worker_pb2.DecodeRequest(
+        request_id=request.request_id, token_ids=request.token_ids,
+        sampling_params=sampling_params_to_proto(request.sampling_params), prefill_address=prefill_address or "",
+    )  # fmt: skip
+    if handoff is not None:
+        message.handoff.ParseFromString(handoff)
+    return message
+
+
+def decode_output_from_proto(message: decode_worker_pb2.DecodeChunk) -> DecodeOutput:
+    tokens = _tokens_from_proto(message.token_ids, message.logprobs, message.top_logprobs)
+    return DecodeOutput(tokens, _FINISH_FROM_PROTO.get(message.finish_reason), message.num_cached_tokens)
+
+
+def block_set_from_proto(message: prefill_worker_pb2.BlockSet) -> BlockSetSnapshot:
+    return BlockSetSnapshot(frozenset(message.block_digests), message.block_size, message.event_sequence)
+
+
+def kv_events_from_bytes(payload: bytes) -> tuple[KVEvent, ...]:
+    """The events of one KVEventBatch payload; ValueError if it does not parse."""
+    batch = kv_events_pb2.KVEventBatch()
+    try:
+        batch.ParseFromString(payload)
+    except DecodeError as e:
+        raise ValueError(f"not a KVEventBatch: {e}") from e
+    events: list[KVEvent] = []
+    for event in batch.events:
+        kind = event.WhichOneof("event")
+        if kind == "stored":
+            s = event.stored
+            events.append(BlocksStored(tuple(s.block_hashes), s.parent_hash or None, s.block_size))
+        elif kind == "removed":
+            events.append(BlocksRemoved(tuple(event.removed.block_hashes)))
+        elif kind == "all_cleared":
+            events.append(AllBlocksCleared())
+    return tuple(events)
+
+
+# -------------------------------------------------------------------- servicer
+_ERROR_CODES = (
+    (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
+    (NoWorkersError, grpc.StatusCode.UNAVAILABLE),
+    (DisaggRequiredError, grpc.StatusCode.FAILED_PRECONDITION),
+    (DuplicateRequestError, grpc.StatusCode.ALREADY_EXISTS),
+    (RoutingError, grpc.StatusCode.UNAVAILABLE),
+)
+
+
+def status_of(error: Exception) -> grpc.StatusCode:
+    """The status code a Generate failure ends the call with (table in the module docstring)."""
+    if isinstance(error, WorkerCallError):
+        return error.code if error.is_request_error else grpc.StatusCode.UNAVAILABLE
+    for kind, code in _ERROR_CODES:
+        if isinstance(error, kind):
+            return code
+    return grpc.StatusCode.INTERNAL
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    """gRPC face of the orchestrator."""
+
+    def __init__(self, orchestrator: Orchestrator) -> None:
+        self._orchestrator = orchestrator
+
+    async def Generate(self, request, context):
+        try:
+            generate_request = generate_request_from_proto(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            async for chunk in self._orchestrator.generate(generate_request):
+                yield chunk_to_proto(chunk)
+        except (RoutingError, DuplicateRequestError, WorkerCallError) as e:
+            await context.abort(status_of(e), str(e))
+
+    async def Abort(self, request, context):
+        was_found = await self._orchestrator.abort(request.request_id)
+        return common_pb2.AbortResponse(was_found=was_found)

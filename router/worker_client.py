@@ -1,0 +1,133 @@
+"""`GrpcWorkerClient`: the router's calls to PrefillWorker and DecodeWorker services.
+
+One channel per worker address, opened on first use and closed when the
+worker leaves the topology (`set_workers`) or at `close()`. Every call has
+a deadline. gRPC failures become `WorkerCallError` so the orchestrator can
+retry without knowing about gRPC; protobuf conversion is in service.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+
+import grpc
+
+from splitserve.control_plane.shard_spec import Role
+from splitserve.proto.v1 import (
+    common_pb2,
+    decode_worker_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+)
+from splitserve.router.messages import (
+    BlockSetSnapshot,
+    DecodeOutput,
+    GenerateRequest,
+    PrefillResult,
+    WorkerCallError,
+)
+from splitserve.router.service import (
+    block_set_from_proto,
+    decode_output_from_proto,
+    decode_request_to_proto,
+    prefill_request_to_proto,
+    prefill_result_from_proto,
+)
+from splitserve.router.workers import WorkerEndpoint
+
+
+def _error(worker: WorkerEndpoint, method: str, e: grpc.aio.AioRpcError) -> WorkerCallError:
+    return WorkerCallError(worker.worker_id, method, e.code(), e.details() or "")
+
+
+class DecodeCall:
+    """A running DecodeWorker.Decode stream: iterate for outputs, `cancel()` to end it."""
+
+    def __init__(self, worker: WorkerEndpoint, call: grpc.aio.UnaryStreamCall) -> None:
+        self._worker = worker
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[DecodeOutput]:
+        try:
+            async for message in self._call:
+                yield decode_output_from_proto(message)
+        except grpc.aio.AioRpcError as e:
+            raise _error(self._worker, "Decode", e) from e
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class GrpcWorkerClient:
+    """Calls workers over gRPC (one event loop)."""
+
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+
+    def _channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address)
+        return self._channels[address]
+
+    async def prefill(
+        self, worker: WorkerEndpoint, request: GenerateRequest, decode_worker_id: str, timeout_s: float
+    ) -> PrefillResult:
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(worker.address))
+        try:
+            reply = await stub.Prefill(prefill_request_to_proto(request, decode_worker_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(worker, "Prefill", e) from e
+        try:
+            return prefill_result_from_proto(reply)
+        except ValueError as e:
+            raise WorkerCallError(worker.worker_id, "Prefill", grpc.StatusCode.INTERNAL, str(e)) from e
+
+    def decode(
+        self,
+        worker: WorkerEndpoint,
+        request: GenerateRequest,
+        handoff: bytes | None,
+        prefill_address: str | None,
+        timeout_s: float,
+    ) -> DecodeCall:
+        stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(worker.address))
+        message = decode_request_to_proto(request, handoff, prefill_address)
+        return DecodeCall(worker, stub.Decode(message, timeout=timeout_s))
+
+    async def abort(self, worker: WorkerEndpoint, request_id: str, timeout_s: float) -> bool:
+        """Abort on the worker's service; False if it did not know the request."""
+        channel = self._channel(worker.address)
+        stub = (
+            prefill_worker_pb2_grpc.PrefillWorkerStub(channel)
+            if worker.role is Role.PREFILL
+            else decode_worker_pb2_grpc.DecodeWorkerStub(channel)
+        )
+        try:
+            reply = await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(worker, "Abort", e) from e
+        return reply.was_found
+
+    async def get_block_set(self, worker: WorkerEndpoint, timeout_s: float) -> BlockSetSnapshot:
+        channel = self._channel(worker.address)
+        stub = (
+            prefill_worker_pb2_grpc.PrefillWorkerStub(channel)
+            if worker.role is Role.PREFILL
+            else decode_worker_pb2_grpc.DecodeWorkerStub(channel)
+        )
+        try:
+            reply = await stub.GetBlockSet(prefill_worker_pb2.GetBlockSetRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as e:
+            raise _error(worker, "GetBlockSet", e) from e
+        return block_set_from_proto(reply)
+
+    async def set_workers(self, workers: Mapping[str, WorkerEndpoint]) -> None:
+        """Closes the channels of addresses no worker uses any more."""
+        in_use = {worker.address for worker in workers.values()}
+        for address in [a for a in self._channels if a not in in_use]:
+            await self._channels.pop(address).close()
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()
