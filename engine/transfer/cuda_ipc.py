@@ -64,13 +64,14 @@ class CudaIpcTransport(KVTransport):
         for src_rank in needed_sources(plan, dst_rank, remote):
             src = self._open(remote[src_rank])
             for op in plan.ops_for_pair(src_rank, dst_rank):
-                src_idx = torch.as_tensor(op.src_blocks(), device=device)
-                dst_idx = torch.as_tensor(op.dst_blocks(), device=device)
                 sh = slice(op.src_head_start, op.src_head_start + op.num_heads)
                 dh = slice(op.dst_head_start, op.dst_head_start + op.num_heads)
                 for i in range(op.num_layers):
                     s, d = src[op.src_layer_start + i], kv_tensors[op.dst_layer_start + i]
-                    d[:, dst_idx, dh] = s[:, src_idx, sh]
+                    for run in op.block_runs:  # a run is a strided slice: one copy kernel, no gather
+                        d[:, run.dst_block : run.dst_block + run.num_blocks, dh].copy_(
+                            s[:, run.src_block : run.src_block + run.num_blocks, sh], non_blocking=True
+                        )
                 num_bytes += plan.op_bytes(op)
                 num_ops += 1
         torch.cuda.synchronize(device)
