@@ -3,7 +3,8 @@
     splitserve generate [--model DIR] [--prompt TEXT ...] [--json]   offline generation
     splitserve control-plane --etcd HOST:PORT --inference-shards SPEC  cluster control plane
 
-Subcommands register themselves through `add_arguments(parser)` + `run(args)`
+Every subcommand also takes `--config FILE.yaml` and SPLITSERVE_<OPTION>
+environment variables (see config_sources.py). Subcommands register themselves through `add_arguments(parser)` + `run(args)`
 so that light processes (control plane, router, gateway) never import torch.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+
+from splitserve.config_sources import add_config_option, apply_config_sources
 
 # name -> (module, one-line help). Modules are imported only when chosen.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -50,6 +53,11 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(sub)
+    add_config_option(sub)
+    try:
+        apply_config_sources(sub, argv[1:])
+    except ValueError as exc:
+        sub.error(str(exc))
     args = sub.parse_args(argv[1:])
     return int(module.run(args) or 0)
 
