@@ -105,3 +105,15 @@ def test_chunked_prefill_and_prefix_caching_do_not_change_tokens(case, chunked, 
     else:
         assert all(r.num_cached_tokens == 0 for r in second)
     llm.engine.check_integrity()
+
+
+def test_sharded_safetensors_checkpoint_loads(tmp_path):
+    model = build_hf_checkpoint(tmp_path / "one", "llama")
+    model.save_pretrained(tmp_path / "sharded", safe_serialization=True, max_shard_size="100KB")
+    shards = sorted(p.name for p in (tmp_path / "sharded").glob("*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "sharded" / "model.safetensors.index.json").is_file()
+    params = SamplingParams(num_tokens_to_generate=8, temperature=0.0, ignore_eos=True)
+    prompt = [[3, 14, 15, 92, 65]]
+    one = LLM(str(tmp_path / "one"), num_blocks=64).generate(prompt, params)[0]
+    many = LLM(str(tmp_path / "sharded"), num_blocks=64).generate(prompt, params)[0]
+    assert many.generated_tokens == one.generated_tokens
