@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.engine.worker_cli import add_worker_arguments, spec_from_args
+from splitserve.engine.worker_cli import add_worker_arguments, run_worker
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_worker_arguments(p)
+add_arguments = add_worker_arguments
 
 
 def run(args: argparse.Namespace) -> int:
     from splitserve.decode_worker.hooks import decode_hooks
     from splitserve.decode_worker.service import add_decode_service
-    from splitserve.engine.worker_server import run_worker_main, serve_worker
 
-    def start():
-        spec = spec_from_args(args, "decode")
-        return serve_worker(
-            spec, args.listen, decode_hooks, add_decode_service, etcd=args.etcd, cluster=args.cluster, grace_s=args.grace_s
-        )
-
-    return run_worker_main(start)
+    return run_worker(args, "decode", decode_hooks, add_decode_service)

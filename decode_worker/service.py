@@ -17,11 +17,14 @@ import grpc
 
 from splitserve.decode_worker.hooks import ImportOutcome
 from splitserve.engine.block_pool import NoFreeBlocksError
+from splitserve.engine.handoff_push import PushGrant, PushRefusedError, PushRequest
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.transport import TransferError
 from splitserve.engine.wire import (
     descriptor_from_proto,
     finish_reason,
+    grant_from_proto,
+    push_to_proto,
     sampling_from_proto,
     top_logprobs_to_proto,
 )
@@ -30,6 +33,9 @@ from splitserve.proto.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2
 from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
 
 log = logging.getLogger(__name__)
+
+#: PushKV answers meaning "decided not to push": nothing was or will be sent.
+_REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
 class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
@@ -42,6 +48,8 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.pull_attempts = pull_attempts
         self.last_import: ImportOutcome | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._push_channels: dict[str, grpc.Channel] = {}  # sync: used from the engine thread
+        self.state.ask_push = self._ask_push
 
     async def _submit(self, command: Command):
         return await asyncio.wrap_future(self.loop.submit(command))
@@ -99,7 +107,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             for attempt in range(self.pull_attempts):
                 try:
                     self.last_import = await self._submit(
-                        Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s))
+                        Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))
                     )
                     error = None
                     break
@@ -142,6 +150,20 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 log.warning("release of %s at %s failed: %s", request_id, address, exc.code())
 
         asyncio.get_running_loop().create_task(release())
+
+    def _ask_push(self, address: str, push: PushRequest) -> PushGrant:
+        """torch_dist: PushKV on the prefill worker (engine thread, blocking until it decided)."""
+        channel = self._push_channels.get(address)
+        if channel is None:
+            channel = self._push_channels[address] = grpc.insecure_channel(address)
+        try:
+            reply = prefill_grpc.PrefillWorkerStub(channel).PushKV(push_to_proto(push), timeout=push.timeout_s)
+        except grpc.RpcError as exc:
+            # Only the prefill's own "no" guarantees it sends nothing; after a lost answer or our
+            # deadline it may be sending, so the pair group must not be reused (TransferError).
+            kind = PushRefusedError if exc.code() in _REFUSALS else TransferError
+            raise kind(f"PushKV at {address}: {exc.code().name}: {exc.details()}") from exc
+        return grant_from_proto(reply)
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))

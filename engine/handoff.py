@@ -6,7 +6,8 @@ importer a decode engine runs to pull and verify it.
     request hits its first token -> blocks pinned
     every rank: partial block checksums ─sum─▶ rank 0 builds HandoffDescriptor ──(router)──▶
                                                     every rank: plan = build_plan(src, dst, ...)
-                                                                pull its ops (NIXL / in-proc)
+                                                                move its ops: pull (NIXL / in-proc), or
+                                                                  receive a push (torch_dist: handoff_push.py)
                                                                 partial checksums of pulled blocks
                                                     all ranks vote + sum ─▶ verify ─▶ continue
 
@@ -31,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.transfer.layout import KVLayout
-from splitserve.engine.transfer.plan import build_plan
+from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats
 
 PRIME = (1 << 31) - 1
@@ -202,19 +203,45 @@ def build_descriptor(
     )
 
 
+TransferStep = Callable[[TransferPlan, list[int]], TransferStats]
+"""`step(plan, dst_block_ids)`: move this rank's ops of `plan` into the decode engine's KV
+(`dst_block_ids`: the request's block table, the same on every rank). Called on every rank
+of the decode group whenever the plan moves anything — ranks without ops of their own too,
+since a two-sided transport (torch_dist) needs all of them. Raises TransferError."""
+
+
+def pull_step(engine, transport: KVTransport, desc: HandoffDescriptor, timeout_s: float = 30.0) -> TransferStep:
+    """The transfer step of a pull transport (NIXL, in-process): read this rank's ops from the sources."""
+    remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
+
+    def step(plan: TransferPlan, dst_block_ids: list[int]) -> TransferStats:
+        if not plan.ops_for_dst(engine.ps.rank):
+            return TransferStats(0, 0.0, 0)
+        return transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
+
+    return step
+
+
 def make_importer(
-    engine, transport: KVTransport, desc: HandoffDescriptor, timeout_s: float = 30.0, stats_out: list | None = None
+    engine,
+    transport: KVTransport | None,
+    desc: HandoffDescriptor,
+    timeout_s: float = 30.0,
+    stats_out: list | None = None,
+    transfer: TransferStep | None = None,
 ) -> Callable[[list[int], int], None]:
     """The `import_kv(block_ids, first_block)` callback for `Engine.add_imported_request`.
 
-    Runs on every rank of the decode group (a collective): each rank pulls its
-    own ops, then all ranks vote, so either every rank keeps the request or
-    every rank rolls it back.
+    Runs on every rank of the decode group (a collective): each rank moves its
+    own ops with `transfer` (default: `pull_step` of `transport`), then all ranks
+    vote and verify the block checksums, so either every rank keeps the request
+    or every rank rolls it back.
     """
     if getattr(engine, "is_simulated", False):  # --engine sim: no KV to move, only its time to model
         from splitserve.engine.sim_engine import make_sim_importer
 
         return make_sim_importer(engine, desc, timeout_s, stats_out)
+    step = transfer if transfer is not None else pull_step(engine, transport, desc, timeout_s)
 
     def import_kv(block_ids: list[int], first_block: int) -> None:
         dst = engine_layout(engine)
@@ -227,10 +254,9 @@ def make_importer(
         stats = TransferStats(0, 0.0, 0)
         try:
             plan = build_plan(desc.layout, dst, desc.rank_block_ids, {r: block_ids for r in range(dst.world_size)}, first_block)
-            remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
             stage = HandoffStage.TRANSFERRING
-            if plan.ops_for_dst(engine.ps.rank):
-                stats = transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
+            if plan.ops:  # the same on every rank: all of them call the step, or none
+                stats = step(plan, list(block_ids))
             stage = HandoffStage.VERIFYING
             partial = partial_block_checksums(engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
         except Exception as exc:  # vote below; every rank must reach the collectives

@@ -1,17 +1,18 @@
 """Proto ↔ engine dataclasses for the worker services — the one place they convert.
 
 Both worker services speak the same messages (sampling params, handoff
-descriptors, output chunks) and may not import each other, so the conversion
+descriptors, output chunks, torch_dist push requests) and may not import each other, so the conversion
 lives here, beside the dataclasses it produces.
 """
 
 from __future__ import annotations
 
 from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint
+from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.request import GenerationResult
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.transfer.layout import KVLayout
-from splitserve.proto.v1 import common_pb2, handoff_pb2
+from splitserve.proto.v1 import common_pb2, handoff_pb2, prefill_worker_pb2
 
 FINISH_REASONS = {
     "stopped": common_pb2.FINISH_REASON_STOP,
@@ -64,21 +65,38 @@ def top_logprobs_to_proto(top: dict[int, float]) -> common_pb2.TokenTopLogprobs:
     )
 
 
+def layout_to_proto(layout: KVLayout) -> handoff_pb2.KVLayout:
+    return handoff_pb2.KVLayout(
+        dtype=layout.dtype,
+        block_size=layout.block_size,
+        tp=layout.tp,
+        pp=layout.pp,
+        num_layers=layout.num_layers,
+        num_kv_heads=layout.num_kv_heads,
+        head_dim=layout.head_dim,
+        layer_ranges=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_ranges],
+    )
+
+
+def layout_from_proto(lay: handoff_pb2.KVLayout) -> KVLayout:
+    """Raises ValueError for an invalid layout."""
+    return KVLayout(
+        dtype=lay.dtype,
+        block_size=lay.block_size,
+        tp=lay.tp,
+        pp=lay.pp,
+        num_layers=lay.num_layers,
+        num_kv_heads=lay.num_kv_heads,
+        head_dim=lay.head_dim,
+        layer_ranges=tuple((r.start, r.end) for r in lay.layer_ranges),
+    )
+
+
 def descriptor_to_proto(d: HandoffDescriptor) -> handoff_pb2.HandoffDescriptor:
-    layout = d.layout
     msg = handoff_pb2.HandoffDescriptor(
         request_id=d.request_id,
         model_fingerprint=d.model_fingerprint,
-        layout=handoff_pb2.KVLayout(
-            dtype=layout.dtype,
-            block_size=layout.block_size,
-            tp=layout.tp,
-            pp=layout.pp,
-            num_layers=layout.num_layers,
-            num_kv_heads=layout.num_kv_heads,
-            head_dim=layout.head_dim,
-            layer_ranges=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_ranges],
-        ),
+        layout=layout_to_proto(d.layout),
         rank_blocks=[handoff_pb2.RankBlocks(rank=r, block_ids=ids) for r, ids in sorted(d.rank_block_ids.items())],
         num_tokens=d.num_tokens,
         transport_kind=d.transport_kind,
@@ -98,20 +116,10 @@ def descriptor_to_proto(d: HandoffDescriptor) -> handoff_pb2.HandoffDescriptor:
 
 def descriptor_from_proto(msg: handoff_pb2.HandoffDescriptor) -> HandoffDescriptor:
     """Raises ValueError for a malformed descriptor."""
-    lay = msg.layout
     return HandoffDescriptor(
         request_id=msg.request_id,
         model_fingerprint=msg.model_fingerprint,
-        layout=KVLayout(
-            dtype=lay.dtype,
-            block_size=lay.block_size,
-            tp=lay.tp,
-            pp=lay.pp,
-            num_layers=lay.num_layers,
-            num_kv_heads=lay.num_kv_heads,
-            head_dim=lay.head_dim,
-            layer_ranges=tuple((r.start, r.end) for r in lay.layer_ranges),
-        ),
+        layout=layout_from_proto(msg.layout),
         rank_block_ids={rb.rank: tuple(rb.block_ids) for rb in msg.rank_blocks},
         num_tokens=msg.num_tokens,
         transport_kind=msg.transport_kind,
@@ -122,3 +130,38 @@ def descriptor_from_proto(msg: handoff_pb2.HandoffDescriptor) -> HandoffDescript
         first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
         first_token_top_logprobs={t.token_id: t.logprob for t in msg.first_token_top_logprobs},
     )
+
+
+def push_to_proto(p: PushRequest) -> prefill_worker_pb2.PushKVRequest:
+    return prefill_worker_pb2.PushKVRequest(
+        request_id=p.request_id,
+        dst_layout=layout_to_proto(p.dst_layout),
+        dst_block_ids=list(p.dst_block_ids),
+        first_block=p.first_block,
+        decode_worker_id=p.decode_worker_id,
+        group_key=p.group_key or "",
+        backend=p.backend,
+        timeout_ms=max(1, round(p.timeout_s * 1000)),
+    )
+
+
+def push_from_proto(msg: prefill_worker_pb2.PushKVRequest) -> PushRequest:
+    """Raises ValueError for a malformed request."""
+    return PushRequest(
+        request_id=msg.request_id,
+        dst_layout=layout_from_proto(msg.dst_layout),
+        dst_block_ids=tuple(msg.dst_block_ids),
+        first_block=msg.first_block,
+        decode_worker_id=msg.decode_worker_id,
+        group_key=msg.group_key or None,
+        backend=msg.backend,
+        timeout_s=msg.timeout_ms / 1000,
+    )
+
+
+def grant_to_proto(g: PushGrant) -> prefill_worker_pb2.PushKVResponse:
+    return prefill_worker_pb2.PushKVResponse(group_key=g.group_key, store_path=g.store_path, is_new_group=g.is_new_group)
+
+
+def grant_from_proto(msg: prefill_worker_pb2.PushKVResponse) -> PushGrant:
+    return PushGrant(group_key=msg.group_key, store_path=msg.store_path, is_new_group=msg.is_new_group)

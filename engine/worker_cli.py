@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.worker_runtime import WorkerSpec
 
 
@@ -12,7 +13,13 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--listen", default="127.0.0.1:0", help="gRPC address to bind (default 127.0.0.1:0 = any free port)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks of this worker (one process each)")
     p.add_argument("--pp", type=int, default=1, help="pipeline-parallel stages of this worker (one process each)")
-    p.add_argument("--transport", default="nixl", choices=["nixl", "inproc"], help="KV transport (default nixl over UCX)")
+    p.add_argument(
+        "--transport",
+        default="nixl",
+        choices=["nixl", "torch_dist", "inproc"],
+        help="KV transport (default nixl over UCX); torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
+        "group of the pair, same host only, both workers must use it",
+    )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
@@ -24,7 +31,19 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=64, help="requests running at once")
     p.add_argument("--handoff-lease-s", type=float, default=30.0, help="seconds a pinned handoff waits for its ack")
     p.add_argument("--grace-s", type=float, default=10.0, help="seconds to finish in-flight work on SIGTERM")
-
+    sim = p.add_argument_group("simulated engine (control-plane / router tests with many workers on a CPU)")
+    sim.add_argument(
+        "--engine",
+        default="torch",
+        choices=["torch", "sim"],
+        help="torch runs the model; sim runs none: modelled timing, a real block pool and prefix cache, "
+        "pseudo-tokens, the same gRPC. sim reads only --model's config.json (default: a Llama-3-8B shape), "
+        "runs one rank and ignores --transport",
+    )
+    sim.add_argument("--sim-prefill-tokens-per-s", type=float, default=SimConfig.prefill_tokens_per_s, help="modelled prefill throughput (default %(default)s)")
+    sim.add_argument("--sim-decode-step-s", type=float, default=SimConfig.decode_step_s, help="modelled seconds of a step that decodes, any batch (default %(default)s)")
+    sim.add_argument("--sim-transfer-gbps", type=float, default=SimConfig.transfer_gbps, help="modelled KV pull bandwidth in GB/s (default %(default)s)")
+    sim.add_argument("--sim-vocab-size", type=int, default=None, help="pseudo-tokens lie in [0, N) (default: the model's vocabulary)")
 
 def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
     options = dict(
@@ -45,4 +64,24 @@ def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
         transport=args.transport,
         address=args.listen.rsplit(":", 1)[0],
         engine_options=options,
+        engine=args.engine,
+        sim=SimConfig(
+            prefill_tokens_per_s=args.sim_prefill_tokens_per_s,
+            decode_step_s=args.sim_decode_step_s,
+            transfer_gbps=args.sim_transfer_gbps,
+            vocab_size=args.sim_vocab_size,
+        ),
     )
+
+
+def run_worker(args: argparse.Namespace, role: str, hooks_factory, add_service) -> int:
+    """The body of `splitserve prefill-worker` / `decode-worker`."""
+    from splitserve.engine.worker_server import run_worker_main, serve_worker
+
+    def start():
+        spec = spec_from_args(args, role)
+        return serve_worker(
+            spec, args.listen, hooks_factory, add_service, etcd=args.etcd, cluster=args.cluster, grace_s=args.grace_s
+        )
+
+    return run_worker_main(start)

@@ -29,11 +29,11 @@ from splitserve.engine.handoff import RankEndpoint
 from splitserve.engine.llm import build_engine_config
 from splitserve.engine.serving import EngineLoop
 from splitserve.engine.sim_engine import SimConfig
-from splitserve.engine.transfer.transport import KVTransport
+from splitserve.engine.transfer.transport import TransportEndpoint
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("nixl", "inproc")
+TRANSPORTS = ("nixl", "inproc", "cuda_ipc", "torch_dist")
 ENGINES = ("torch", "sim")
 
 
@@ -46,8 +46,10 @@ class WorkerSpec:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     transport: str = "nixl"
-    """KV transport: nixl (UCX; DRAM on CPU, VRAM on GPU) or inproc (same process only).
-    Ignored by engine="sim", which has no KV memory (it uses the no-op sim transport)."""
+    """KV transport: nixl (UCX; DRAM on CPU, VRAM on GPU), torch_dist (the prefill worker
+    pushes over a gloo / NCCL group of the pair, same host only; engine/handoff_push.py) or
+    inproc (same process only). Ignored by engine="sim", which has no KV memory (it uses the
+    no-op sim transport)."""
     address: str = "127.0.0.1"
     """Host the transport advertises for this worker."""
     engine_options: dict[str, Any] = field(default_factory=dict)
@@ -75,7 +77,7 @@ class WorkerSpec:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def make_transport(kind: str) -> KVTransport:
+def make_transport(kind: str) -> TransportEndpoint:
     if kind == "sim":
         from splitserve.engine.sim_engine import SimTransport
 
@@ -84,6 +86,14 @@ def make_transport(kind: str) -> KVTransport:
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
         return NixlTransport()
+    if kind == "cuda_ipc":
+        from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport()
+    if kind == "torch_dist":
+        from splitserve.engine.handoff_push import TorchDistTransport
+
+        return TorchDistTransport()
     from splitserve.engine.transfer.inproc import InProcTransport
 
     return InProcTransport()
@@ -104,10 +114,10 @@ def build_engine(spec: WorkerSpec) -> Engine:
     return Engine(config, seed=spec.seed)
 
 
-HooksFactory = Callable[[Engine, KVTransport, "dict[int, RankEndpoint] | None"], dict[str, Any]]
+HooksFactory = Callable[[Engine, TransportEndpoint, "dict[int, RankEndpoint] | None"], dict[str, Any]]
 
 
-def _expose(engine: Engine, transport: KVTransport, address: str) -> dict[int, RankEndpoint] | None:
+def _expose(engine: Engine, transport: TransportEndpoint, address: str) -> dict[int, RankEndpoint] | None:
     """Expose this rank's KV pool; rank 0 gets every rank's endpoint (a collective)."""
     metadata = transport.expose(engine.kv_caches)
     gathered = engine.ps.gather_to_first((address, metadata))
@@ -116,7 +126,7 @@ def _expose(engine: Engine, transport: KVTransport, address: str) -> dict[int, R
     return {r: RankEndpoint(r, addr, meta) for r, (addr, meta) in enumerate(gathered)}
 
 
-def _lifecycle_handlers(spec: WorkerSpec, transport: KVTransport, state: Any) -> dict[str, Any]:
+def _lifecycle_handlers(spec: WorkerSpec, transport: TransportEndpoint, state: Any) -> dict[str, Any]:
     """suspend / resume / reload, run on every rank. After a resume the KV memory
     is new, so it is exposed again and rank 0 publishes the new endpoints."""
     from splitserve.engine import lifecycle
@@ -137,7 +147,7 @@ def _lifecycle_handlers(spec: WorkerSpec, transport: KVTransport, state: Any) ->
     return {"suspend": suspend, "resume": resume, "reload_weights": reload}
 
 
-def _build_rank(spec: WorkerSpec, hooks_factory: HooksFactory) -> tuple[Engine, KVTransport, EngineLoop, Any]:
+def _build_rank(spec: WorkerSpec, hooks_factory: HooksFactory) -> tuple[Engine, TransportEndpoint, EngineLoop, Any]:
     engine = build_engine(spec)
     transport = make_transport("sim" if spec.engine == "sim" else spec.transport)
     hooks = hooks_factory(engine, transport, _expose(engine, transport, spec.address))

@@ -9,22 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from splitserve.engine.worker_cli import add_worker_arguments, spec_from_args
+from splitserve.engine.worker_cli import add_worker_arguments, run_worker
 
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_worker_arguments(p)
+add_arguments = add_worker_arguments
 
 
 def run(args: argparse.Namespace) -> int:
-    from splitserve.engine.worker_server import run_worker_main, serve_worker
     from splitserve.prefill_worker.hooks import prefill_hooks
     from splitserve.prefill_worker.service import add_prefill_service
 
-    def start():
-        spec = spec_from_args(args, "prefill")
-        return serve_worker(
-            spec, args.listen, prefill_hooks, add_prefill_service, etcd=args.etcd, cluster=args.cluster, grace_s=args.grace_s
-        )
-
-    return run_worker_main(start)
+    return run_worker(args, "prefill", prefill_hooks, add_prefill_service)

@@ -1,6 +1,8 @@
 """Prefill role, on every rank: after a step, each request that reached its
 handoff gets its block checksums computed (a collective over the group); rank 0
-then builds the descriptor and wakes the waiting `Prefill` call."""
+then builds the descriptor and wakes the waiting `Prefill` call. With the
+torch_dist transport, the "push" command sends a pinned request's KV to the
+decode worker that asked (engine/handoff_push.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +11,9 @@ from dataclasses import dataclass, field
 
 from splitserve.engine.engine import Engine, StepOutput
 from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint, build_descriptor, group_block_checksums
+from splitserve.engine.handoff_push import TorchDistTransport, serve_push
 from splitserve.engine.request import GenerationResult
-from splitserve.engine.transfer.transport import KVTransport
+from splitserve.engine.transfer.transport import TransferStats, TransportEndpoint
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,8 @@ class PrefillState:
     transport_kind: str
     endpoints: dict[int, RankEndpoint]
     waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    push_waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    """torch_dist: PushKV calls waiting for the "push" command's decision, by push id."""
 
     def resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
         future = self.waiters.pop(request_id, None)
@@ -34,8 +39,8 @@ class PrefillState:
             future.set_result(outcome)
 
 
-def prefill_hooks(engine: Engine, transport: KVTransport, endpoints: dict[int, RankEndpoint] | None) -> dict:
-    kind = "nixl" if type(transport).__name__.lower().startswith("nixl") else "inproc"
+def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[int, RankEndpoint] | None) -> dict:
+    kind = transport.kind or ("nixl" if type(transport).__name__.lower().startswith("nixl") else "inproc")
     state = PrefillState(kind, endpoints) if endpoints is not None else None
 
     def after_step(engine: Engine, outputs: list[StepOutput]) -> None:
@@ -51,8 +56,13 @@ def prefill_hooks(engine: Engine, transport: KVTransport, endpoints: dict[int, R
             elif result.is_finished and state is not None:
                 state.resolve(out.request_id, PrefillOutcome(result, None))
 
-    return {
-        "after_step": after_step,
-        "handlers": {"block_set": lambda e, c: e.pool.cached_hashes()},
-        "state": state,
-    }
+    handlers = {"block_set": lambda e, c: e.pool.cached_hashes()}
+    if isinstance(transport, TorchDistTransport):
+
+        def push(engine: Engine, command) -> TransferStats:
+            push_id, request = command.args
+            waiter = state.push_waiters.get(push_id) if state is not None else None
+            return serve_push(engine, transport, request, waiter)
+
+        handlers["push"] = push
+    return {"after_step": after_step, "handlers": handlers, "state": state}

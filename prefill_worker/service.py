@@ -10,15 +10,25 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import uuid
 
 import grpc
 
+from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.serving import Command
-from splitserve.engine.wire import descriptor_to_proto, finish_reason, sampling_from_proto
+from splitserve.engine.wire import (
+    descriptor_to_proto,
+    finish_reason,
+    grant_to_proto,
+    push_from_proto,
+    sampling_from_proto,
+)
 from splitserve.engine.worker_runtime import WorkerGroup
 from splitserve.prefill_worker.hooks import PrefillOutcome
 from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 
 class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
@@ -93,6 +103,62 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         return prefill_worker_pb2.BlockSet(
             block_hashes=[int.from_bytes(h, "little") for h in hashes], block_size=self.engine.block_size
         )
+
+
+    async def PushKV(self, request, context):  # noqa: N802
+        """torch_dist: answer once the "push" command has decided; it sends afterwards.
+
+        A refusal (FAILED_PRECONDITION, INVALID_ARGUMENT, RESOURCE_EXHAUSTED) guarantees
+        nothing is sent. The wait ends before the caller's deadline (0.8 of it) so that a
+        busy engine loop is reported as RESOURCE_EXHAUSTED rather than a lost answer.
+        """
+        if self.state.transport_kind != "torch_dist":
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"this prefill worker hands off over {self.state.transport_kind}; PushKV needs --transport torch_dist",
+            )
+        try:
+            push = push_from_proto(request)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        push_id = uuid.uuid4().hex
+        waiter: concurrent.futures.Future = concurrent.futures.Future()
+        self.state.push_waiters[push_id] = waiter
+        try:
+            sent = self.loop.submit(Command("push", push.request_id, (push_id, push)))
+            sent.add_done_callback(lambda f: _push_done(push, waiter, f))
+            answered = asyncio.wrap_future(waiter)
+            await asyncio.wait([answered], timeout=0.8 * push.timeout_s)
+            answered.add_done_callback(lambda f: f.cancelled() or f.exception())  # read below, not here
+        except asyncio.CancelledError:
+            waiter.cancel()
+            raise
+        finally:
+            self.state.push_waiters.pop(push_id, None)
+        if waiter.cancel():  # still undecided: the command will now refuse (cancel and decide are exclusive)
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"prefill worker busy: the push was not taken up within {0.8 * push.timeout_s:.1f} s",
+            )
+        try:
+            decision = waiter.result()
+        except RuntimeError as exc:  # the engine loop stopped, or the command failed before deciding
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if not isinstance(decision, PushGrant):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(decision))
+        return grant_to_proto(decision)
+
+
+def _push_done(push: PushRequest, waiter: concurrent.futures.Future, sent: concurrent.futures.Future) -> None:
+    """The "push" command finished (engine thread): log a failed send; wake a caller it never answered."""
+    error = sent.exception()
+    if error is not None:
+        log.warning("push of %s to %s failed: %s", push.request_id, push.decode_worker_id, error)
+        if not waiter.done():
+            try:
+                waiter.set_exception(RuntimeError(f"the push command failed before deciding: {error}"))
+            except concurrent.futures.InvalidStateError:
+                pass
 
 
 def add_prefill_service(server: grpc.aio.Server, group: WorkerGroup) -> str:

@@ -32,6 +32,8 @@ def _byte_view(t: torch.Tensor) -> torch.Tensor:
 class InProcTransport(KVTransport):
     """Registers tensors in a process-wide table; pulls by copying byte regions."""
 
+    kind = "inproc"
+
     def __init__(self) -> None:
         self._tokens: list[bytes] = []
 

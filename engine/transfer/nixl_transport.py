@@ -107,6 +107,8 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
 class NixlTransport(KVTransport):
     """One NIXL agent per worker rank. Not thread-safe."""
 
+    kind = "nixl"
+
     def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002):
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)

@@ -6,11 +6,12 @@ handoff descriptor). Per (src, dst) pair the regions travel as one packed buffer
 
     src rank s: pack(ops s→d) ──isend──▶ dst rank d: irecv ──▶ unpack(ops s→d)
 
-All sends (receives) of a rank are posted together with `batch_isend_irecv`, which NCCL runs as
-one group, so no ordering between pairs can deadlock. The caller initialises the process group
-(never a TCPStore listening on all interfaces) and maps plan ranks to `torch.distributed` global
-ranks with `peers`. Only one plan may be in flight between two ranks at a time: P2P messages
-are matched in order.
+All sends (receives) of a rank are posted together (on CUDA inside one NCCL group call), so no
+ordering between pairs can deadlock. The caller provides the process group (never a TCPStore
+listening on all interfaces) and maps plan ranks to ranks *of that group* with `peers`. The
+group's own methods are called, so it may be a group that `torch.distributed` does not know
+(a `pair_group` joining two workers) as well as the default group (`group=None`). Only one plan
+may be in flight between two ranks at a time: P2P messages are matched in order.
 """
 
 from __future__ import annotations
@@ -27,9 +28,36 @@ from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
 
+_TAG = 0
 
-def _wait(works: list, peers_desc: str, timeout_s: float) -> None:
+
+def _post(group: dist.ProcessGroup | None, ops: list[tuple[bool, torch.Tensor, int]]) -> list:
+    """Post (is_send, buffer, group peer) operations together; return the works to wait on."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg is None:
+        raise ValueError("no process group: pass one or initialise the default group")
+    device = ops[0][1].device
+    # A ProcessGroup dispatches to its backend per device; a bare Backend (ProcessGroupGloo, ...) is its own.
+    backend = pg._get_backend(device) if isinstance(pg, dist.ProcessGroup) else pg
+    coalesce = device.type == "cuda" and backend.supports_coalescing
+    if coalesce:  # NCCL: one ncclGroupStart/End over every peer
+        pg._start_coalescing(device)
+    works = [pg.send([buf], peer, _TAG) if is_send else pg.recv([buf], peer, _TAG) for is_send, buf, peer in ops]
+    if coalesce:
+        works = [pg._end_coalescing(device)]
+    return [w for w in works if w is not None]
+
+
+def _wait(works: list, peers_desc: str, timeout_s: float, device: torch.device) -> None:
     deadline = time.monotonic() + timeout_s
+    if device.type == "cuda":  # NCCL works complete asynchronously: poll, never block without a deadline
+        while not all(w.is_completed() for w in works):
+            if time.monotonic() >= deadline:
+                raise TransferTimeout(f"torch.distributed transfer with {peers_desc} timed out after {timeout_s:.1f}s")
+            time.sleep(0.0002)
+        for w in works:
+            w.wait()
+        return
     for work in works:
         left = max(0.001, deadline - time.monotonic())
         try:
@@ -57,7 +85,7 @@ def send_plan(
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 30.0,
 ) -> TransferStats:
-    """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its global rank."""
+    """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its rank in `group`."""
     start = time.perf_counter()
     check_kv_tensors(kv_tensors, plan.src, src_rank)
     dst_ranks = sorted({op.dst_rank for op in plan.ops_for_src(src_rank)})
@@ -68,9 +96,9 @@ def send_plan(
     for dst_rank in dst_ranks:
         buf = pack_ops(plan.ops_for_pair(src_rank, dst_rank), plan.src, kv_tensors)
         buffers.append(buf)
-        p2p.append(dist.P2POp(dist.isend, buf.view(torch.uint8), peers[dst_rank], group=group))
+        p2p.append((True, buf.view(torch.uint8), peers[dst_rank]))
     if p2p:
-        _wait(dist.batch_isend_irecv(p2p), f"destination ranks {dst_ranks}", timeout_s)
+        _wait(_post(group, p2p), f"destination ranks {dst_ranks}", timeout_s, kv_tensors[0].device)
         _sync(kv_tensors[0].device)
     num_bytes = sum(b.numel() * b.element_size() for b in buffers)
     return TransferStats(num_bytes, time.perf_counter() - start, len(buffers))
@@ -84,7 +112,7 @@ def recv_plan(
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 30.0,
 ) -> TransferStats:
-    """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its global rank."""
+    """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its rank in `group`."""
     start = time.perf_counter()
     check_kv_tensors(kv_tensors, plan.dst, dst_rank)
     src_ranks = sorted({op.src_rank for op in plan.ops_for_dst(dst_rank)})
@@ -97,9 +125,9 @@ def recv_plan(
         numel = packed_numel(plan.ops_for_pair(src_rank, dst_rank), plan.dst)
         buf = torch.empty(numel, dtype=dtype, device=device)
         buffers.append(buf)
-        p2p.append(dist.P2POp(dist.irecv, buf.view(torch.uint8), peers[src_rank], group=group))
+        p2p.append((False, buf.view(torch.uint8), peers[src_rank]))
     if p2p:
-        _wait(dist.batch_isend_irecv(p2p), f"source ranks {src_ranks}", timeout_s)
+        _wait(_post(group, p2p), f"source ranks {src_ranks}", timeout_s, device)
     for src_rank, buf in zip(src_ranks, buffers, strict=True):
         unpack_ops(buf, plan.ops_for_pair(src_rank, dst_rank), plan.dst, kv_tensors)
     _sync(device)

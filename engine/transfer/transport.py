@@ -9,7 +9,8 @@
 
 The source does nothing per request: it exposes its pool once and keeps the request's blocks
 pinned until the destination acknowledges. `torch_dist` is two-sided (both ranks must call) and
-so has its own `send_plan`/`recv_plan` functions instead of this interface.
+so has its own `send_plan`/`recv_plan` functions instead of `pull`; a worker holds it as a
+`TransportEndpoint` (expose / unexpose / close), the part every transport shares.
 """
 
 from __future__ import annotations
@@ -50,8 +51,11 @@ class TransferStats:
         return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 and self.num_bytes else 0.0
 
 
-class KVTransport(abc.ABC):
-    """One worker rank's end of a pull transport. Not thread-safe: one caller at a time."""
+class TransportEndpoint(abc.ABC):
+    """What a worker rank holds of any transport: publish its KV pool, forget it, close."""
+
+    kind: str = ""
+    """The descriptor's `transport_kind` for this transport ("nixl", "torch_dist", ...)."""
 
     @abc.abstractmethod
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
@@ -60,6 +64,23 @@ class KVTransport(abc.ABC):
         The tensors must stay allocated (and are read concurrently by peers) until `close()`.
         Call once per worker with the whole pool, not per request.
         """
+
+    def unexpose(self) -> None:  # noqa: B027 - optional hook, a no-op for transports holding no registrations
+        """Forget the exposed memory before it is freed (lifecycle suspend); `expose` again after."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release registrations and connections. Idempotent."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class KVTransport(TransportEndpoint):
+    """One worker rank's end of a pull transport. Not thread-safe: one caller at a time."""
 
     @abc.abstractmethod
     def pull(
@@ -76,19 +97,6 @@ class KVTransport(abc.ABC):
         does not read from may be absent). Blocks off the plan are never written. Blocks until
         done; raises `TransferTimeout` after `timeout_s`, `TransferError` on failure.
         """
-
-    def unexpose(self) -> None:  # noqa: B027 - optional hook, a no-op for transports holding no registrations
-        """Forget the exposed memory before it is freed (lifecycle suspend); `expose` again after."""
-
-    @abc.abstractmethod
-    def close(self) -> None:
-        """Release registrations and connections. Idempotent."""
-
-    def __enter__(self) -> KVTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> list[int]:

@@ -6,7 +6,12 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.handoff import ChecksumMismatchError, build_descriptor, group_block_checksums, make_importer
+from splitserve.engine.handoff import (
+    ChecksumMismatchError,
+    build_descriptor,
+    group_block_checksums,
+    make_importer,
+)
 from splitserve.engine.transfer.inproc import InProcTransport
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=64, max_tokens=64)

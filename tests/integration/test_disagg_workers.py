@@ -1,6 +1,14 @@
 """Real prefill and decode worker processes, driven over gRPC the way the router
-drives them: Prefill → HandoffDescriptor → Decode (NIXL pull, checksums) → tokens
-identical to the aggregated engine, and the prefill side's pins released."""
+drives them: Prefill → HandoffDescriptor → Decode (NIXL pull, or a torch_dist push
+over gloo; checksums) → tokens identical to the aggregated engine, log-probs within
+1e-5, and the prefill side's pins released.
+
+Every (prefill tp, pp) × (decode tp, pp) in {1, 2} × {1, 2} runs with both
+transports; two combinations per transport run in the default stage, the rest
+(and TP 4 ↔ 1, where the model's 2 kv heads are replicated) are marked slow. The
+model is GQA: 4 query heads, 2 kv heads, 2 layers."""
+
+import importlib.util
 
 import grpc
 import pytest
@@ -8,12 +16,16 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.wire import sampling_to_proto
-from splitserve.proto.v1 import prefill_worker_pb2, prefill_worker_pb2_grpc
+from splitserve.proto.v1 import (
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+)
 from tests.fixtures.models import build_hf_checkpoint
 from tests.fixtures.workers import disagg_generate, running_worker
 
-pytest.importorskip("nixl_cu13")
-
+HAS_NIXL = importlib.util.find_spec("nixl_cu13") is not None
 ENGINE_FLAGS = ["--block-size", "8", "--num-blocks", "256", "--max-tokens", "64"]
 PARAMS = SamplingParams(num_tokens_to_generate=12, temperature=0.0, return_log_probs=True)
 
@@ -30,32 +42,90 @@ def _prompts():
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 29, 40)]
 
 
-LAYOUTS = [
-    ("tp1", "tp1", ["--tp", "1"], ["--tp", "1"]),
-    ("tp2", "tp1", ["--tp", "2"], ["--tp", "1"]),
-    pytest.param("tp1", "tp2", ["--tp", "1"], ["--tp", "2"], marks=pytest.mark.slow),
-    pytest.param("pp2", "tp2", ["--pp", "2"], ["--tp", "2"], marks=pytest.mark.slow),
-    pytest.param("tp2", "pp2", ["--tp", "2"], ["--pp", "2"], marks=pytest.mark.slow),
-]
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    return LLM(model_dir, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
 
 
-@pytest.mark.parametrize("src, dst, prefill_flags, decode_flags", LAYOUTS)
-def test_disaggregated_tokens_match_aggregated(model_dir, src, dst, prefill_flags, decode_flags):
-    expected = LLM(model_dir, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
-    prefill_tp = int(prefill_flags[1]) if prefill_flags[0] == "--tp" else 1
+SHAPES = {
+    "tp1": ["--tp", "1"],
+    "tp2": ["--tp", "2"],
+    "pp2": ["--pp", "2"],
+    "tp2pp2": ["--tp", "2", "--pp", "2"],
+    "tp4": ["--tp", "4"],
+}
+QUICK = {("nixl", "tp1", "tp1"), ("nixl", "tp2", "tp1"), ("torch_dist", "tp1", "tp1"), ("torch_dist", "tp2", "pp2")}
+PAIRS = [(s, d) for s in ("tp1", "tp2", "pp2", "tp2pp2") for d in ("tp1", "tp2", "pp2", "tp2pp2")]
+PAIRS += [("tp4", "tp1"), ("tp1", "tp4")]  # kv heads (2) fewer than the TP size: replicated heads
+
+
+def _cases():
+    for transport in ("nixl", "torch_dist"):
+        for src, dst in PAIRS:
+            marks = [] if (transport, src, dst) in QUICK else [pytest.mark.slow]
+            if transport == "nixl":
+                marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
+            yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
+
+
+@pytest.mark.parametrize("transport, src, dst", list(_cases()))
+def test_disaggregated_tokens_match_aggregated(model_dir, expected, transport, src, dst):
+    flags = [*ENGINE_FLAGS, "--transport", transport]
     with (
-        running_worker("prefill-worker", model_dir, *prefill_flags, *ENGINE_FLAGS) as pw,
-        running_worker("decode-worker", model_dir, *decode_flags, *ENGINE_FLAGS) as dw,
+        running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
+        running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,
     ):
         results, blocks = disagg_generate(pw.address, dw.address, _prompts(), PARAMS)
     for (tokens, logprobs, resp), ref in zip(results, expected, strict=True):
         assert tokens == ref.generated_tokens
-        assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-4)
-        assert resp.handoff.layout.tp == prefill_tp
+        assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+        assert resp.handoff.transport_kind == transport
+        assert (resp.handoff.layout.tp, resp.handoff.layout.pp) == (_size(src, "tp"), _size(src, "pp"))
         assert len(resp.handoff.block_checksums) == len(resp.handoff.rank_blocks[0].block_ids)
     assert blocks.block_size == 8 and len(blocks.block_hashes) >= 3 + 5  # full prompt blocks are cached
+    if transport == "torch_dist":  # one pair group for all three requests, on both sides
+        for worker in (pw, dw):
+            assert worker.output().count("joined pair group") == 1, worker.output()
+            assert "WARNING" not in worker.output(), worker.output()
 
 
+def _size(shape: str, dim: str) -> int:
+    flags = SHAPES[shape]
+    return int(flags[flags.index(f"--{dim}") + 1]) if f"--{dim}" in flags else 1
+
+
+def test_torch_dist_push_that_cannot_happen_falls_back_to_recompute(model_dir, expected):
+    """PushKV refused (the handoff was already released) or unreachable: the decode worker
+    retries, then recomputes the prompt; the client still gets the aggregated tokens."""
+    flags = [*ENGINE_FLAGS, "--transport", "torch_dist"]
+    prompt, ref = _prompts()[1], expected[1]
+    with (
+        running_worker("prefill-worker", model_dir, *flags) as pw,
+        running_worker("decode-worker", model_dir, *flags) as dw,
+        grpc.insecure_channel(pw.address) as pc,
+        grpc.insecure_channel(dw.address) as dc,
+    ):
+        prefill = prefill_worker_pb2_grpc.PrefillWorkerStub(pc)
+        decode = decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+        sp = sampling_to_proto(PARAMS)
+        for rid, address in (("released", pw.address), ("unreachable", "127.0.0.1:1")):
+            resp = prefill.Prefill(prefill_worker_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling_params=sp), timeout=60)
+            if rid == "released":
+                assert prefill.Release(prefill_worker_pb2.ReleaseRequest(request_id=rid), timeout=10).was_pinned
+            request = decode_worker_pb2.DecodeRequest(
+                request_id=rid, token_ids=prompt, sampling_params=sp, handoff=resp.handoff, prefill_address=address
+            )
+            chunks = list(decode.Decode(request, timeout=60))
+            assert [t for c in chunks for t in c.token_ids] == ref.generated_tokens
+            assert [p for c in chunks for p in c.logprobs] == pytest.approx(ref.generated_log_probs, abs=1e-5)
+        # The decode worker could not reach this prefill worker to ack, so the pin is still ours to drop.
+        assert prefill.Release(prefill_worker_pb2.ReleaseRequest(request_id="unreachable"), timeout=10).was_pinned
+    assert dw.output().count("pull of") == 4  # two failed attempts per request, then the recompute
+    assert "has no pinned handoff" in dw.output() and "UNAVAILABLE" in dw.output()
+    assert "joined pair group" not in pw.output() + dw.output()
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed")
 def test_bad_requests_get_status_codes_not_tracebacks(model_dir):
     with running_worker("prefill-worker", model_dir, *ENGINE_FLAGS) as pw:
         with grpc.insecure_channel(pw.address) as ch:

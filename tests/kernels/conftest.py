@@ -16,7 +16,8 @@ import sys
 import pytest
 import torch
 
-KERNEL_MODULES = (
+KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
+    "splitserve.kernels._common",
     "splitserve.kernels.paged_decode",
     "splitserve.kernels.paged_prefill",
     "splitserve.kernels.kv_write",
