@@ -84,6 +84,8 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 out = await queue.get()
                 result = out.result
                 chunk = decode_worker_pb2.DecodeChunk(token_ids=list(out.new_token_ids))
+                if len(result.generated_tokens) == 1:  # prefilled here: report its prefix-cache hit
+                    chunk.num_cached_tokens = result.num_cached_tokens
                 if params.return_log_probs and result.generated_log_probs:
                     chunk.logprobs.append(result.generated_log_probs[-1])
                 if params.top_n_logprobs and result.top_n_logprobs:
@@ -164,6 +166,9 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             kind = PushRefusedError if exc.code() in _REFUSALS else TransferError
             raise kind(f"PushKV at {address}: {exc.code().name}: {exc.details()}") from exc
         return grant_from_proto(reply)
+
+    async def GetBlockSet(self, request, context):  # noqa: N802
+        return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))

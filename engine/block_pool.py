@@ -66,6 +66,8 @@ class BlockPool:
         self._free: deque[int] = deque(range(num_blocks))
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._events: list[BlockEvent] = []
+        self.record_events = True
+        """Keep BlockEvents for `drain_events`; engines switch it off unless someone drains."""
         self.num_hits = 0
         self.num_queries = 0
 
@@ -164,7 +166,8 @@ class BlockPool:
             return
         self._hash_of[block_id] = block_hash
         self._block_of[block_hash] = block_id
-        self._events.append(BlockEvent("stored", (block_hash,), parent_hash))
+        if self.record_events:
+            self._events.append(BlockEvent("stored", (block_hash,), parent_hash))
 
     def pin(self, block_ids: Iterable[int]) -> None:
         """Hold blocks for a handoff: a reference that no request owns."""
@@ -187,7 +190,8 @@ class BlockPool:
             block_id, _ = self._evictable.popitem(last=False)
             self._drop_hash(block_id, emit=False)
             self._free.append(block_id)
-        self._events.append(BlockEvent("cleared"))
+        if self.record_events:
+            self._events.append(BlockEvent("cleared"))
 
     def drain_events(self) -> list[BlockEvent]:
         events, self._events = self._events, []
@@ -199,7 +203,7 @@ class BlockPool:
             return
         self._hash_of[block_id] = None
         del self._block_of[block_hash]
-        if emit:
+        if emit and self.record_events:
             self._events.append(BlockEvent("removed", (block_hash,)))
 
     # --------------------------------------------------------------- integrity

@@ -66,6 +66,7 @@ class Engine:
         cache = config.cache
         self.block_size = cache.block_size_tokens
         self.pool = BlockPool(self.runner.num_blocks, cache.prefix_caching_eviction_policy, cache.enable_prefix_caching)
+        self.pool.record_events = False  # a worker's KV-event publisher turns this on
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size)
         limit = config.scheduler.max_sequence_length or self.model_config.max_position_embeddings
         self.max_sequence_length = min(limit, self.model_config.max_position_embeddings)

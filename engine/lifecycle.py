@@ -52,7 +52,8 @@ def reload_weights(engine, path: str) -> None:
     diff = [f for f in _SHAPE_FIELDS if getattr(new, f) != getattr(old, f)]
     if diff:
         raise ValueError(f"checkpoint {path!r} differs in {diff}; reload needs the same architecture")
-    load_weights(engine.runner.model, path, engine.runner.dtype, engine.runner.device)
+    if not getattr(engine, "is_simulated", False):  # a simulated engine has no weights to load
+        load_weights(engine.runner.model, path, engine.runner.dtype, engine.runner.device)
     engine.model_path = path
     engine.model_config = dataclasses.replace(old, name=new.name)
     engine.pool.reset_prefix_cache()  # cached KV was computed by the old weights

@@ -238,6 +238,7 @@ class SimEngine:
         cache = config.cache
         self.block_size = cache.block_size_tokens
         self.pool = BlockPool(num_blocks, cache.prefix_caching_eviction_policy, cache.enable_prefix_caching)
+        self.pool.record_events = False  # a worker's KV-event publisher turns this on
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size)
         limit = config.scheduler.max_sequence_length or model_config.max_position_embeddings
         self.max_sequence_length = min(limit, model_config.max_position_embeddings)

@@ -147,16 +147,46 @@ def _lifecycle_handlers(spec: WorkerSpec, transport: TransportEndpoint, state: A
     return {"suspend": suspend, "resume": resume, "reload_weights": reload}
 
 
-def _build_rank(spec: WorkerSpec, hooks_factory: HooksFactory) -> tuple[Engine, TransportEndpoint, EngineLoop, Any]:
+def _kv_event_hooks(engine: Engine, publisher, after_step):
+    """Rank 0 with a publisher: every step's block events go out on the PUB socket,
+    and `block_set` answers from the same thread right after publishing, so the
+    set matches `event_sequence` exactly. Other ranks record no events."""
+    from splitserve.proto.v1 import prefill_worker_pb2
+
+    engine.pool.record_events = publisher is not None
+
+    def after(engine: Engine, outputs) -> None:
+        if after_step is not None:
+            after_step(engine, outputs)
+        if publisher is not None:
+            publisher.publish(engine.pool.drain_events())
+
+    def block_set(engine: Engine, command):
+        if publisher is None:
+            return prefill_worker_pb2.BlockSet(block_digests=engine.pool.cached_hashes(), block_size=engine.block_size)
+        publisher.publish(engine.pool.drain_events())
+        return publisher.block_set(engine.pool.cached_hashes())
+
+    return after, block_set
+
+
+def _build_rank(
+    spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None
+) -> tuple[Engine, TransportEndpoint, EngineLoop, Any]:
     engine = build_engine(spec)
     transport = make_transport("sim" if spec.engine == "sim" else spec.transport)
     hooks = hooks_factory(engine, transport, _expose(engine, transport, spec.address))
     state = hooks.get("state")
+    after_step, block_set = _kv_event_hooks(engine, publisher, hooks.get("after_step"))
     loop = EngineLoop(
         engine,
         on_output=hooks.get("on_output"),
-        after_step=hooks.get("after_step"),
-        handlers={**_lifecycle_handlers(spec, transport, state), **(hooks.get("handlers") or {})},
+        after_step=after_step,
+        handlers={
+            **_lifecycle_handlers(spec, transport, state),
+            **(hooks.get("handlers") or {}),
+            "block_set": block_set,
+        },
     )
     return engine, transport, loop, state
 
@@ -181,7 +211,8 @@ class WorkerGroup:
     """Rank 0's handle on the whole group: starts the other ranks, builds the
     local engine, and runs the loop on a background thread."""
 
-    def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory):
+    def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None):
+        """`publisher`: a KVEventPublisher (engine/kv_events.py) for rank 0's block events, or None."""
         self.spec = spec
         self.draining = False
         """Set by a drain: the services refuse new requests but finish the rest."""
@@ -201,7 +232,7 @@ class WorkerGroup:
                 self._procs.append(p)
             use_cuda = torch.cuda.is_available()
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=world)
-        self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory)
+        self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory, publisher)
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

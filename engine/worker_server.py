@@ -37,16 +37,28 @@ async def serve_worker(
     """Run until SIGTERM/SIGINT (or `stop` is set). Prints `READY <address>` once serving."""
     host, _, port_text = listen.rpartition(":")
     address = f"{host}:{int(port_text) or _free_port(host)}"
-    registration = None
+    registration = publisher = None
     if etcd:
-        registration, spec = await _register(spec, etcd, cluster, address)
+        from splitserve.control_plane.worker_registration import default_worker_id
+        from splitserve.engine.kv_events import KVEventPublisher
+
+        worker_id = default_worker_id()
+        publisher = KVEventPublisher(worker_id, spec.engine_options.get("block_size_tokens", 16), f"tcp://{host}:0")
+        try:
+            registration, spec = await _register(spec, etcd, cluster, address, worker_id, publisher)
+        except BaseException:
+            publisher.close()
+            raise
     try:
-        group = await asyncio.to_thread(WorkerGroup, spec, hooks_factory)
+        group = await asyncio.to_thread(WorkerGroup, spec, hooks_factory, publisher)
     except BaseException:
         if registration is not None:
             await registration.close()
+        if publisher is not None:
+            publisher.close()
         raise
-    server = grpc.aio.server()
+    # No SO_REUSEPORT: a second worker on the same port must fail loudly, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service_name = add_servicer(server, group)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -71,6 +83,8 @@ async def serve_worker(
     await drain(group, health_servicer, registration, grace_s)
     await server.stop(1.0)
     await asyncio.to_thread(group.close)
+    if publisher is not None:
+        publisher.close()
 
 
 async def drain(group: WorkerGroup, health_servicer, registration, grace_s: float) -> bool:
@@ -142,29 +156,41 @@ def _free_port(host: str) -> int:
         return sock.getsockname()[1]
 
 
-async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str):
+async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, worker_id: str, publisher):
     """Take a slot from the control plane; the slot's group decides tp and pp.
 
     The worker hosts a whole dp replica (all tp x pp ranks, one process each):
-    it asks for `spec.world_size` ranks and must get a complete replica.
+    it asks for `spec.world_size` ranks and must get a complete replica. It
+    advertises its KV-event endpoint and block size for routers.
     """
     from splitserve.control_plane.keys import ClusterKeys
     from splitserve.control_plane.shard_spec import Role
     from splitserve.control_plane.worker_registration import WorkerRegistration
 
     registration = WorkerRegistration(
-        etcd=etcd, address=address, role=Role(spec.role), num_gpu_ranks=spec.world_size, keys=ClusterKeys(cluster=cluster)
+        etcd=etcd,
+        address=address,
+        role=Role(spec.role),
+        num_gpu_ranks=spec.world_size,
+        worker_id=worker_id,
+        keys=ClusterKeys(cluster=cluster),
+        kv_events_endpoint=publisher.endpoint,
+        kv_block_size=publisher.block_size,
     )
     assignment = await registration.start()
-    slot = assignment.slots[0]
-    if len(assignment.slots) != slot.tp * slot.pp:
+    try:
+        slot = assignment.slots[0]
+        if len(assignment.slots) != slot.tp * slot.pp:
+            raise ValueError(
+                f"slot group needs tp={slot.tp} x pp={slot.pp} ranks but this worker hosts {len(assignment.slots)}; "
+                f"start it with --tp {slot.tp} --pp {slot.pp}"
+            )
+        log.info("assigned group %d replica %d (tp=%d, pp=%d)", slot.group_index, slot.dp_replica, slot.tp, slot.pp)
+        spec = dataclasses.replace(spec, tensor_parallel_size=slot.tp, pipeline_parallel_size=slot.pp)
+    except BaseException:
         await registration.close()
-        raise ValueError(
-            f"slot group needs tp={slot.tp} x pp={slot.pp} ranks but this worker hosts {len(assignment.slots)}; "
-            f"start it with --tp {slot.tp} --pp {slot.pp}"
-        )
-    log.info("assigned group %d replica %d (tp=%d, pp=%d)", slot.group_index, slot.dp_replica, slot.tp, slot.pp)
-    return registration, dataclasses.replace(spec, tensor_parallel_size=slot.tp, pipeline_parallel_size=slot.pp)
+        raise
+    return registration, spec
 
 
 def run_worker_main(coro_factory: Callable[[], object]) -> int:

@@ -99,10 +99,7 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         return common_pb2.AbortResponse(was_found=bool(found))
 
     async def GetBlockSet(self, request, context):  # noqa: N802
-        hashes = await self._submit(Command("block_set"))
-        return prefill_worker_pb2.BlockSet(
-            block_hashes=[int.from_bytes(h, "little") for h in hashes], block_size=self.engine.block_size
-        )
+        return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
 
 
     async def PushKV(self, request, context):  # noqa: N802

@@ -31,6 +31,8 @@ from splitserve.engine.transfer.transport import KVTransport, TransferError, Tra
 
 
 class CudaIpcTransport(KVTransport):
+    kind = "cuda_ipc"
+
     def __init__(self) -> None:
         self._mapped: dict[bytes, list[torch.Tensor]] = {}
 

@@ -62,6 +62,7 @@ def test_has_every_attribute_and_method_the_engine_has():
 
 def test_prefill_pins_exact_blocks_and_models_its_time():
     engine, sleeps = make_engine("prefill")
+    engine.pool.record_events = True  # as a worker with a KV-event publisher does
     seconds = []
     prompt = list(range(1, 21))  # 20 tokens: blocks 0, 1 full, block 2 partial
     engine.add_request("a", prompt, PARAMS)

@@ -82,7 +82,7 @@ def test_disaggregated_tokens_match_aggregated(model_dir, expected, transport, s
         assert resp.handoff.transport_kind == transport
         assert (resp.handoff.layout.tp, resp.handoff.layout.pp) == (_size(src, "tp"), _size(src, "pp"))
         assert len(resp.handoff.block_checksums) == len(resp.handoff.rank_blocks[0].block_ids)
-    assert blocks.block_size == 8 and len(blocks.block_hashes) >= 3 + 5  # full prompt blocks are cached
+    assert blocks.block_size == 8 and len(blocks.block_digests) >= 3 + 5  # full prompt blocks are cached
     if transport == "torch_dist":  # one pair group for all three requests, on both sides
         for worker in (pw, dw):
             assert worker.output().count("joined pair group") == 1, worker.output()
