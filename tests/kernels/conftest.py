@@ -65,9 +65,26 @@ if HAS_TRITON and INTERPRET:
     _import_kernels_interpreted()
 
 
+def _kernels_are_interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    for name in KERNEL_MODULES:
+        module = sys.modules.get(name)
+        if module is None:
+            return False
+        jitted = [v for v in vars(module).values() if type(v).__name__ in ("JITFunction", "InterpretedFunction")]
+        if not all(isinstance(v, InterpretedFunction) for v in jitted):
+            return False
+    return True
+
+
 @pytest.fixture(autouse=True)
 def _interpreter_env(monkeypatch):
     if HAS_TRITON and INTERPRET:
+        # Another test may have re-imported a kernel module without the interpreter
+        # (a @triton.jit defined then is a GPU function): import them again if so.
+        if not _kernels_are_interpreted():
+            _import_kernels_interpreted()
         monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
