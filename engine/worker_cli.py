@@ -16,8 +16,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         default="nixl",
-        choices=["nixl", "torch_dist", "inproc"],
-        help="KV transport (default nixl over UCX); torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
+        choices=["nixl", "torch_dist", "cuda_ipc", "inproc"],
+        help="KV transport (default nixl over UCX); cuda_ipc: same-host GPUs, the decode side maps the prefill pool; torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
         "group of the pair, same host only, both workers must use it",
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")

@@ -59,13 +59,22 @@ PAIRS = [(s, d) for s in ("tp1", "tp2", "pp2", "tp2pp2") for d in ("tp1", "tp2",
 PAIRS += [("tp4", "tp1"), ("tp1", "tp4")]  # kv heads (2) fewer than the TP size: replicated heads
 
 
+HAS_CUDA = torch.cuda.is_available()
+
+
 def _cases():
     for transport in ("nixl", "torch_dist"):
         for src, dst in PAIRS:
             marks = [] if (transport, src, dst) in QUICK else [pytest.mark.slow]
             if transport == "nixl":
                 marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
+            if transport == "torch_dist" and HAS_CUDA:
+                marks.append(pytest.mark.skip(reason="NCCL needs a GPU per rank; one-GPU hosts run cuda_ipc"))
             yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
+    # Same-host GPU pairs: both workers on one GPU, KV mapped over CUDA IPC (GPU hosts only).
+    for src, dst in (("tp1", "tp1"),):
+        marks = [pytest.mark.skipif(not HAS_CUDA, reason="CUDA IPC needs a GPU")]
+        yield pytest.param("cuda_ipc", src, dst, id=f"cuda_ipc-{src}-to-{dst}", marks=marks)
 
 
 @pytest.mark.parametrize("transport, src, dst", list(_cases()))
