@@ -60,6 +60,10 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+WARMUP = "full"
+EXTRA: dict = {}
+
+
 def time_ours(path: Path, batch: int, prompt_len: int, new: int, device: str, **options) -> tuple[float, float]:
     """(prefill seconds for the batch, seconds per decode step), ours."""
     from splitserve import LLM, SamplingParams
@@ -69,7 +73,7 @@ def time_ours(path: Path, batch: int, prompt_len: int, new: int, device: str, **
     prompts = [torch.randint(10, 1000, (prompt_len,), generator=g).tolist() for _ in range(batch)]
     # Warm up with the timed shapes: kernels compile and CUDA graphs capture per shape.
     warm = SamplingParams(num_tokens_to_generate=4, temperature=0.0, ignore_eos=True)
-    llm.generate(prompts, warm)
+    llm.generate(prompts if WARMUP == "full" else prompts[:2], warm)
     llm.engine.pool.reset_prefix_cache()
     t0 = time.perf_counter()
     llm.generate(prompts, SamplingParams(num_tokens_to_generate=1, temperature=0.0, ignore_eos=True))
@@ -175,7 +179,8 @@ def check_gpu_backends() -> None:
 
 
 def run_gpu(args) -> None:
-    check_gpu_backends()
+    if not args.skip_check:
+        check_gpu_backends()
     cfg = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
     bw, peak = copy_bandwidth(), matmul_peak()
@@ -187,9 +192,9 @@ def run_gpu(args) -> None:
         path = Path(tmp)
         make_checkpoint(path, cfg, torch.bfloat16, "cuda")
         out = []
-        for batch in (1, 64):
+        for batch in [int(b) for b in args.batches.split(",")]:
             ours = time_ours(path, batch, 512, args.new_tokens, "cuda", block_size_tokens=16, buffer_size_gb=20,
-                             max_tokens=max(8192, batch * 512), max_requests=128)
+                             max_tokens=max(8192, batch * 512), max_requests=128, **EXTRA)
             hf = time_hf(path, batch, 512, args.new_tokens, "cuda", torch.bfloat16) if not args.skip_hf else (float("nan"),) * 2
             avg_ctx = 512 + args.new_tokens / 2
             step_bytes = weight_bytes + batch * avg_ctx * kv_per_token
@@ -208,7 +213,16 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads (CPU variant)")
     p.add_argument("--new-tokens", type=int, default=256, help="new tokens per request (GPU variant)")
     p.add_argument("--skip-hf", action="store_true", help="GPU: skip the transformers baseline")
+    p.add_argument("--skip-check", action="store_true", help="GPU: skip the backend correctness check")
+    p.add_argument("--warmup", default="full", choices=["full", "small"], help="warm up with the timed batch or 2 prompts")
+    p.add_argument("--batches", default="1,64", help="GPU: batch sizes")
+    p.add_argument("--option", action="append", default=[], help="GPU: engine option KEY=VALUE (repeatable)")
     args = p.parse_args()
+    global WARMUP
+    WARMUP = args.warmup
+    for item in args.option:
+        key, value = item.split("=", 1)
+        EXTRA[key] = {"true": True, "false": False}.get(value, value)
     run_gpu(args) if args.gpu else run_cpu(args)
 
 

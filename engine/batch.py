@@ -44,7 +44,7 @@ def prepare_inputs(
     for chunk in out.chunks:
         req = chunk.request
         pos = range(chunk.start, chunk.start + chunk.num_tokens)
-        ids.extend(req.all_token_ids[chunk.start : chunk.start + chunk.num_tokens])
+        ids.extend(req.token_slice(chunk.start, chunk.start + chunk.num_tokens))
         positions.extend(pos)
         slots.extend(req.block_ids[p // block_size] * block_size + p % block_size for p in pos)
         ctx_len = chunk.start + chunk.num_tokens

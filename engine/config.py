@@ -117,6 +117,9 @@ class EngineConfig:
     """Replay captured CUDA graphs for decode-only steps (triton backend, CUDA, pp=1)."""
     cuda_graph_max_batch: int = 256
     """Largest decode batch served by a graph; bigger batches run eagerly."""
+    cuda_graph_max_context: int = 8192
+    """Longest context a graphed decode step serves; longer ones run eagerly. The
+    graphs' block tables (and the decode kernel's partitions) are sized by it."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -131,6 +134,7 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
+        _positive("cuda_graph_max_context", self.cuda_graph_max_context)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}"

@@ -85,7 +85,10 @@ class ModelRunner:
         if self.backend == "triton" and self.device.type == "cuda" and config.enable_cuda_graphs and ps.pp_size == 1:
             from splitserve.engine.cuda_graphs import DecodeGraphs
 
-            max_len = config.scheduler.max_sequence_length or model_config.max_position_embeddings
+            max_len = min(
+                config.scheduler.max_sequence_length or model_config.max_position_embeddings,
+                config.cuda_graph_max_context,
+            )
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,
@@ -149,7 +152,7 @@ class ModelRunner:
             plp: list[float] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
                 end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)
-                plp = prompt_logprobs(logits[first:last], req.all_token_ids[chunk.start + 1 : end])
+                plp = prompt_logprobs(logits[first:last], req.token_slice(chunk.start + 1, end))
             results.append(ChunkResult(req.request_id, sample, tuple(plp)))
         return results
 

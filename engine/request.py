@@ -50,6 +50,10 @@ class Request:
     prompt_log_probs: list[float] = field(default_factory=list)
     top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
+    first_scheduled_time: float | None = None
+    """`time.monotonic()` of the step that computed the request's first prompt chunk (queue wait ends)."""
+    num_prefill_chunks: int = 0
+    """Steps that computed part of the prompt (chunked prefill)."""
     finish_time: float | None = None
     generated_text: str = ""
     num_preemptions: int = 0
@@ -74,13 +78,33 @@ class Request:
     def wants_prompt_log_probs(self) -> bool:
         return self.params.return_log_probs and not self.params.skip_prompt_log_probs
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """`all_token_ids[start:end]` without building the whole list (hot path:
+        called per request per step, where the full list would cost O(context))."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
     def extend_block_hashes(self, block_size: int) -> None:
         """Hash every full block of `all_token_ids` not hashed yet."""
-        tokens = self.all_token_ids
-        while (len(self.block_hashes) + 1) * block_size <= len(tokens):
+        num_tokens = self.num_tokens
+        while (len(self.block_hashes) + 1) * block_size <= num_tokens:
             start = len(self.block_hashes) * block_size
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block(parent, tokens[start : start + block_size]))
+            self.block_hashes.append(hash_block(parent, self.token_slice(start, start + block_size)))
+
+
+@dataclass(frozen=True)
+class RequestTiming:
+    """When a request moved through the engine (`time.monotonic()` seconds), for traces and metrics."""
+
+    arrival: float
+    first_scheduled: float | None
+    first_token: float | None
+    num_prefill_chunks: int
 
 
 @dataclass(frozen=True)
@@ -100,6 +124,8 @@ class GenerationResult:
     """Seconds from arrival to the first generated token."""
     num_cached_tokens: int = 0
     is_finished: bool = True
+    timing: RequestTiming | None = None
+    """Engine timestamps (queue wait, prefill compute); not part of the reference design's result."""
 
     @classmethod
     def from_request(cls, req: Request, is_finished: bool = True) -> GenerationResult:
@@ -117,4 +143,5 @@ class GenerationResult:
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             num_cached_tokens=req.num_cached_tokens,
             is_finished=is_finished,
+            timing=RequestTiming(req.arrival_time, req.first_scheduled_time, req.first_token_time, req.num_prefill_chunks),
         )
