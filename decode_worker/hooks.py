@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from splitserve.engine.handoff import (
     HandoffDescriptor,
     RankEndpoint,
     TransferStep,
+    engine_layout,
     make_importer,
 )
 from splitserve.engine.handoff_push import (
@@ -28,6 +30,7 @@ from splitserve.engine.handoff_push import (
     TorchDistTransport,
 )
 from splitserve.engine.serving import Command
+from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, TransportEndpoint
 
 
@@ -35,6 +38,11 @@ from splitserve.engine.transfer.transport import KVTransport, TransferError, Tra
 class ImportOutcome:
     num_reused_blocks: int
     stats: TransferStats | None
+    started: float = 0.0
+    """`time.monotonic()` when the import command began on the engine thread (queue wait ends)."""
+    finished: float = 0.0
+    dst_layout: str = ""
+    """The decode side's KV layout (engine/transfer/layout.py `layout_text`)."""
 
 
 @dataclass
@@ -74,6 +82,7 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
         return None
 
     def import_handler(engine: Engine, command: Command) -> ImportOutcome:
+        started = time.monotonic()
         token_ids, params, desc, timeout_s, *rest = command.args
         prefill_address = rest[0] if rest else ""
         stats: list[TransferStats] = []
@@ -95,7 +104,7 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
             if transfer is not None and not isinstance(exc, (ChecksumMismatchError, PushRefusedError)):
                 transport.forget_source(desc)
             raise
-        return ImportOutcome(reused, stats[0] if stats else None)
+        return ImportOutcome(reused, stats[0] if stats else None, started, time.monotonic(), layout_text(engine_layout(engine)))
 
     return {
         "handlers": {"import": import_handler, "block_set": lambda e, c: e.pool.cached_hashes()},

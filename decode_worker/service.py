@@ -11,15 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
+from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry import context as otel_context
 
 from splitserve.decode_worker.hooks import ImportOutcome
 from splitserve.engine.block_pool import NoFreeBlocksError
 from splitserve.engine.handoff_push import PushGrant, PushRefusedError, PushRequest
 from splitserve.engine.serving import Command
-from splitserve.engine.transfer.transport import TransferError
+from splitserve.engine.transfer.layout import layout_text
+from splitserve.engine.transfer.transport import TransferError, TransferStats
 from splitserve.engine.wire import (
     descriptor_from_proto,
     finish_reason,
@@ -31,6 +35,14 @@ from splitserve.engine.wire import (
 from splitserve.engine.worker_runtime import WorkerGroup
 from splitserve.proto.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
 from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
+from splitserve.telemetry.spans import (
+    FIRST_MESSAGE,
+    detach_quietly,
+    emit_span,
+    mark_error,
+    mono_to_unix_ns,
+    start_server_span,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +58,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.engine = group.engine
         self.pull_timeout_s = pull_timeout_s
         self.pull_attempts = pull_attempts
+        self.metrics = group.metrics
         self.last_import: ImportOutcome | None = None
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._push_channels: dict[str, grpc.Channel] = {}  # sync: used from the engine thread
@@ -55,16 +68,45 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         return await asyncio.wrap_future(self.loop.submit(command))
 
     async def Decode(self, request, context):  # noqa: N802 - gRPC method name
-        if self.group.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; use another")
-        self.group.num_in_flight += 1
+        clock = _DecodeClock(time.monotonic())
+        span, span_context = start_server_span("decode.request", context.invocation_metadata(), {
+            "rpc.system": "grpc", "rpc.service": "splitserve.v1.DecodeWorker", "rpc.method": "Decode",
+            "splitserve.request_id": request.request_id, "splitserve.prompt_tokens": len(request.token_ids),
+            "splitserve.handoff": request.HasField("handoff"),
+        })  # fmt: skip
+        token = otel_context.attach(span_context)  # this task's, for logs; child spans get the context explicitly
+        outcome = "cancelled"
         try:
-            async for chunk in self._decode(request, context):
-                yield chunk
+            if self.group.draining:
+                self.metrics.rejections.labels("decode", "draining").inc()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining; use another")
+            self.group.num_in_flight += 1
+            try:
+                async for chunk in self._decode(request, context, clock, span):
+                    if clock.first_chunk is None:
+                        clock.first_chunk = time.monotonic()
+                        span.add_event(FIRST_MESSAGE)
+                    if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+                        outcome = common_pb2.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+                        clock.last_chunk = time.monotonic()
+                        chunk.timing.CopyFrom(clock.timing())
+                        self._record(clock, span_context)
+                    yield chunk
+            finally:
+                self.group.num_in_flight -= 1
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            outcome = "error"
+            mark_error(span, exc)
+            raise
         finally:
-            self.group.num_in_flight -= 1
+            self.metrics.requests.labels("decode", outcome).inc()
+            span.set_attribute("splitserve.outcome", outcome)
+            span.end()
+            detach_quietly(token)
 
-    async def _decode(self, request, context):
+    async def _decode(self, request, context, clock: _DecodeClock, span):
         request_id = request.request_id or uuid.uuid4().hex
         token_ids = list(request.token_ids)
         try:
@@ -76,13 +118,18 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.state.streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
         try:
-            first_chunk = await self._admit(request_id, token_ids, params, desc, request.prefill_address, context)
+            first_chunk = await self._admit(request_id, token_ids, params, desc, request.prefill_address, context, clock, span)
             if first_chunk is not None:
                 yield first_chunk
                 finished = first_chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED
             while not finished:
                 out = await queue.get()
+                if out is None:  # aborted (Abort RPC): end the stream with a final chunk
+                    yield decode_worker_pb2.DecodeChunk(finish_reason=common_pb2.FINISH_REASON_ABORT)
+                    finished = True
+                    break
                 result = out.result
+                clock.on_output(result, len(out.new_token_ids), self.metrics)
                 chunk = decode_worker_pb2.DecodeChunk(token_ids=list(out.new_token_ids))
                 if len(result.generated_tokens) == 1:  # prefilled here: report its prefix-cache hit
                     chunk.num_cached_tokens = result.num_cached_tokens
@@ -99,7 +146,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:  # cancelled or failed mid-stream: free the work everywhere
                 self.loop.submit(Command("abort", request_id))
 
-    async def _admit(self, request_id, token_ids, params, desc, prefill_address, context):
+    async def _admit(self, request_id, token_ids, params, desc, prefill_address, context, clock, span):
         """Start the request; return the first chunk for a handoff (the prefill's token)."""
         try:
             if desc is None:
@@ -111,18 +158,23 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                     self.last_import = await self._submit(
                         Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))
                     )
+                    clock.on_import(self.last_import, desc, self.metrics)
                     error = None
                     break
                 except TransferError as exc:
                     error = exc
+                    self.metrics.transfer_failures.labels("decode").inc()
+                    span.add_event("kv_transfer_failed", {"attempt": attempt + 1, "error": str(exc)[:200]})
                     log.warning("pull of %s failed (attempt %d): %s", request_id, attempt + 1, exc)
             self._release_later(prefill_address, request_id)
             if error is not None:  # recompute here rather than fail the client
+                clock.import_failed = True
                 await self._submit(Command("add", request_id, (token_ids, params)))
                 return None
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except NoFreeBlocksError as exc:
+            self.metrics.rejections.labels("decode", "no_free_blocks").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except RuntimeError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
@@ -134,6 +186,14 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         if params.max_new_tokens(len(token_ids)) <= 1:
             chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
         return chunk
+
+    def _record(self, clock: _DecodeClock, parent) -> None:
+        """The phase spans of a finished stream (children of its decode.request span) and its metrics."""
+        m = self.metrics
+        for name, start, end, attributes, is_ttft in clock.phases():
+            emit_span(name, mono_to_unix_ns(start), mono_to_unix_ns(end), attributes, parent=parent, is_ttft_phase=is_ttft)
+        if clock.queue_end is not None:
+            m.queue_seconds.labels("decode").observe(clock.queue_end - clock.started)
 
     def _release_later(self, address: str, request_id: str) -> None:
         """Ack the pull so the prefill side unpins now rather than at lease expiry."""
@@ -172,7 +232,96 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))
+        entry = self.state.streams.get(request.request_id)
+        if entry is not None:  # wake its stream: no more outputs will come for it
+            entry[1].put_nowait(None)
         return common_pb2.AbortResponse(was_found=bool(found))
+
+
+@dataclass
+class _DecodeClock:
+    """The instants (`time.monotonic()`) of one Decode stream, for its spans, metrics and DecodeTiming."""
+
+    started: float
+    queue_end: float | None = None
+    """Handoff: the import began on the engine thread. Without: the first prompt chunk's step."""
+    import_end: float | None = None
+    first_token: float | None = None
+    """Without a handoff: the first token sampled here."""
+    first_output: float | None = None
+    """The first engine output delivered to the stream."""
+    first_chunk: float | None = None
+    last_chunk: float | None = None
+    last_output: float | None = None
+    stats: TransferStats | None = None
+    transport: str = ""
+    transfer_attributes: dict = field(default_factory=dict)
+    import_failed: bool = False
+
+    def on_import(self, outcome: ImportOutcome, desc, metrics) -> None:
+        self.queue_end, self.import_end, self.stats = outcome.started, outcome.finished, outcome.stats
+        self.transport = desc.transport_kind
+        stats = outcome.stats or TransferStats(0, 0.0, 0)
+        self.transfer_attributes = {
+            "splitserve.kv.bytes": stats.num_bytes, "splitserve.kv.seconds": stats.seconds,
+            "splitserve.kv.gbps": stats.gbps, "splitserve.kv.regions": stats.num_regions,
+            "splitserve.kv.transport": desc.transport_kind, "splitserve.kv.src_layout": layout_text(desc.layout),
+            "splitserve.kv.dst_layout": outcome.dst_layout, "splitserve.kv.reused_blocks": outcome.num_reused_blocks,
+            "splitserve.kv.blocks": len(desc.block_checksums),
+        }  # fmt: skip
+        metrics.transfer_bytes.labels("decode", desc.transport_kind).inc(stats.num_bytes)
+        metrics.transfer_seconds.labels("decode", desc.transport_kind).inc(stats.seconds)
+        metrics.transfer_size.labels("decode", desc.transport_kind).observe(stats.num_bytes)
+
+    def on_output(self, result, num_tokens: int, metrics) -> None:
+        now = time.monotonic()
+        if self.first_output is None:
+            self.first_output = now
+            t = result.timing
+            if self.import_end is None and t is not None:  # prefilled here
+                self.queue_end = t.first_scheduled if t.first_scheduled is not None else self.started
+                self.first_token = t.first_token if t.first_token is not None else now
+                metrics.prefill_seconds.labels("decode").observe(self.first_token - self.queue_end)
+            metrics.ttft_seconds.labels("decode").observe((self.first_token or now) - self.started)
+        elif self.last_output is not None and num_tokens:
+            metrics.itl_seconds.labels("decode").observe((now - self.last_output) / num_tokens)
+        self.last_output = now
+
+    def timing(self) -> decode_worker_pb2.DecodeTiming:
+        def ms(a: float | None, b: float | None) -> float:
+            return (b - a) * 1e3 if a is not None and b is not None and b > a else 0.0
+
+        t = decode_worker_pb2.DecodeTiming(
+            queue_ms=ms(self.started, self.queue_end), first_chunk_ms=ms(self.started, self.first_chunk),
+            stream_ms=ms(self.first_chunk, self.last_chunk), transport=self.transport,
+        )  # fmt: skip
+        if self.import_end is not None:
+            t.transfer_ms = ms(self.queue_end, self.import_end)
+            t.first_step_ms = ms(self.import_end, self.first_output)
+            if self.stats is not None:
+                t.transfer_bytes, t.transfer_seconds = self.stats.num_bytes, self.stats.seconds
+        else:
+            t.prefill_ms = ms(self.queue_end, self.first_token)
+        return t
+
+    def phases(self):
+        """(name, start, end, attributes, is_ttft) of each measured phase."""
+        out = []
+        is_local = self.import_end is None  # prefilled here: these phases lead to the first token
+        if self.queue_end is not None:
+            out.append(("decode.queue", self.started, self.queue_end, {}, is_local))
+        if not is_local:
+            out.append(("kv.transfer", self.queue_end, self.import_end, self.transfer_attributes, False))
+            if self.first_output is not None:
+                out.append(("decode.first_step", self.import_end, self.first_output, {}, False))
+        elif self.first_token is not None:
+            attrs = {"splitserve.import_failed": self.import_failed}
+            out.append(("decode.prefill", self.queue_end, self.first_token, attrs, True))
+            if self.first_chunk is not None:
+                out.append(("decode.emit", self.first_token, self.first_chunk, {}, True))
+        if self.first_chunk is not None and self.last_chunk is not None:
+            out.append(("decode.stream", self.first_chunk, self.last_chunk, {}, False))
+        return out
 
 
 def add_decode_service(server: grpc.aio.Server, group: WorkerGroup) -> str:

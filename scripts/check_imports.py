@@ -29,8 +29,14 @@ FORBIDDEN = {
     "client": {"kernels", "engine", "prefill_worker", "decode_worker", "router", "gateway"},
     "proto": {"kernels", "engine", "prefill_worker", "decode_worker", "router", "control_plane", "gateway", "client"},
 }
-# torch-free engine modules the light packages may share (the router hashes like the engines do).
-SHARED_ENGINE_MODULES = {"splitserve.engine.block_hash", "splitserve.engine.kv_events"}
+# torch-free engine modules the light packages may share (the router hashes like the engines do;
+# the gateway and the SDK tokenize like they do, and find the embedded model's tokenizer).
+SHARED_ENGINE_MODULES = {
+    "splitserve.engine.block_hash",
+    "splitserve.engine.kv_events",
+    "splitserve.engine.tokenizer",
+    "splitserve.engine.default_model",
+}
 # The worker-process code both workers share lives in engine/ (they may not import each
 # other) and registers with the control plane, as workers do.
 WORKER_SHARED = {"engine/worker_server.py"}

@@ -2,6 +2,9 @@
 
     splitserve generate [--model DIR] [--prompt TEXT ...] [--json]   offline generation
     splitserve control-plane --etcd HOST:PORT --inference-shards SPEC  cluster control plane
+    splitserve gateway --router HOST:PORT [--model DIR]              OpenAI-compatible HTTP API
+    splitserve up [--model DIR] [--inference-shards SPEC]            a whole local cluster
+    splitserve trace report FILE [--out PNG]                         TTFT breakdown from exported spans
 
 Every subcommand also takes `--config FILE.yaml` and SPLITSERVE_<OPTION>
 environment variables (see config_sources.py). Subcommands register themselves through `add_arguments(parser)` + `run(args)`
@@ -23,6 +26,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "router": ("splitserve.router.cli", "run a router (prefix/load-aware routing, prefill -> decode orchestration)"),
     "prefill-worker": ("splitserve.prefill_worker.cli", "run a prefill worker (computes and hands off KV)"),
     "decode-worker": ("splitserve.decode_worker.cli", "run a decode worker (imports KV, streams tokens)"),
+    "gateway": ("splitserve.gateway.cli", "run the OpenAI-compatible HTTP gateway in front of a router"),
+    "up": ("splitserve.up", "start a whole local cluster (etcd, control plane, workers, router, gateway)"),
+    "trace": ("splitserve.telemetry.cli", "trace tools: `trace report FILE` = TTFT breakdown table + PNG waterfall"),
 }
 
 

@@ -1,0 +1,98 @@
+"""One choice's output: router chunks in, released text and log-prob entries out.
+
+    token ids ─▶ IncrementalDetokenizer ─▶ StopStringMatcher ─▶ text delta
+             └─▶ log-prob entries (token text, log-prob, top alternatives)
+
+The chat and completions handlers add their own parsing (reasoning, tool
+calls) on top of the text deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from splitserve.client import FinishReason, StreamChunk, Usage
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.gateway.stop_strings import StopStringMatcher
+
+_FINISH = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"}
+
+
+class TokenTexts:
+    """Each token id's own text (for log-probs), cached: the same ids come back all the time."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...]
+    """Alternatives (token text, log-prob), most likely first."""
+
+
+@dataclass
+class ChoiceDelta:
+    text: str = ""
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class ChoiceOutput:
+    """Per-choice state; not thread-safe."""
+
+    def __init__(
+        self, tokenizer: Tokenizer, token_texts: TokenTexts, prompt_ids: list[int], stop: tuple[str, ...],
+        wants_logprobs: bool,
+    ) -> None:  # fmt: skip
+        self._detokenizer = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self._token_texts = token_texts
+        self._stops = StopStringMatcher(stop)
+        self._wants_logprobs = wants_logprobs
+        self.num_prompt_tokens = len(prompt_ids)
+        self.text = ""
+        """Everything released so far."""
+        self.num_tokens = 0
+        """Tokens received (those after a stop string included)."""
+        self.finish_reason: str | None = None
+        self.usage: Usage | None = None
+
+    @property
+    def is_stopped_by_string(self) -> bool:
+        return self._stops.matched is not None
+
+    def add(self, chunk: StreamChunk) -> ChoiceDelta:
+        delta = ChoiceDelta()
+        self.num_tokens += len(chunk.token_ids)
+        for i, token_id in enumerate(chunk.token_ids):
+            if self._stops.matched is not None:
+                break
+            delta.text += self._stops.feed(self._detokenizer.add(token_id))
+            if self._wants_logprobs and i < len(chunk.logprobs):
+                delta.logprobs.append(self._entry(token_id, chunk, i))
+        if chunk.result is not None:
+            self.usage = chunk.result.usage
+            self.finish_reason = _FINISH[chunk.result.finish_reason]
+            delta.text += self._stops.flush()
+        if self._stops.matched is not None:
+            self.finish_reason = "stop"
+        self.text += delta.text
+        return delta
+
+    def finish_early(self) -> None:
+        """A stop string ended the output but the worker went on: stop reading (the stream is cancelled)."""
+        self.finish_reason = "stop"
+        self.usage = Usage(self.num_prompt_tokens, self.num_tokens, 0)
+
+    def _entry(self, token_id: int, chunk: StreamChunk, i: int) -> TokenLogprob:
+        top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else {}
+        alternatives = tuple((self._token_texts(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1]))
+        return TokenLogprob(self._token_texts(token_id), chunk.logprobs[i], alternatives)

@@ -1,0 +1,133 @@
+"""POST /v1/completions: prompts (text or token ids, batched) × n choices, streamed or whole.
+
+Each choice is one router request (`<id>-<choice index>`); choice index
+= prompt index × n + choice number, as OpenAI numbers them.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from splitserve.client import SamplingParams
+from splitserve.gateway.choice_output import ChoiceOutput, TokenLogprob
+from splitserve.gateway.context import ServingContext
+from splitserve.gateway.generation import merge, run_choice
+from splitserve.gateway.prompts import completion_prompts, max_new_tokens
+from splitserve.gateway.requests import CompletionRequest
+from splitserve.gateway.responses import completion_logprobs, now, total_usage, usage_dict
+from splitserve.gateway.sampling import choice_params, stop_strings
+
+
+@dataclass
+class _Choice:
+    index: int
+    prompt_index: int
+    prompt_ids: list[int]
+    echo: str
+    """Prompt text put before the output (echo), else ""."""
+    params: SamplingParams
+    output: ChoiceOutput
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    offset: int = 0
+    """Characters of this choice's text sent so far (text_offset of the next token)."""
+
+
+class CompletionRun:
+    """One validated completion request, ready to run. Building it does all the checks (APIError)."""
+
+    endpoint = "completions"
+
+    def __init__(self, request: CompletionRequest, ctx: ServingContext) -> None:
+        self.request = request
+        self.ctx = ctx
+        self.id = f"cmpl-{uuid.uuid4().hex}"
+        self.created = now()
+        prompts = completion_prompts(request, ctx.model)
+        self.prompt_lens = [len(p.token_ids) for p in prompts]
+        wants_logprobs = request.logprobs is not None
+        stops = stop_strings(request.stop)
+        self.choices: list[_Choice] = []
+        for p, prompt in enumerate(prompts):
+            budget = max_new_tokens(request.max_tokens, len(prompt.token_ids), ctx.model, "prompt")
+            echo = ""
+            if request.echo:
+                echo = prompt.text if prompt.text is not None else ctx.model.tokenizer.decode(prompt.token_ids)
+            for i in range(request.n):
+                params = choice_params(
+                    request, budget, i, return_log_probs=wants_logprobs, top_n_logprobs=request.logprobs or 0
+                )
+                output = ChoiceOutput(ctx.model.tokenizer, ctx.token_texts, prompt.token_ids, stops, wants_logprobs)
+                self.choices.append(_Choice(p * request.n + i, p, prompt.token_ids, echo, params, output))
+
+    # -------------------------------------------------------------------- runs
+    def _stream_choice(self, choice: _Choice):
+        return run_choice(self.ctx.client, f"{self.id}-{choice.index}", choice.prompt_ids, choice.params, choice.output)
+
+    async def _tagged(self, choice: _Choice) -> AsyncIterator[tuple[_Choice, object]]:
+        async for delta in self._stream_choice(choice):
+            yield choice, delta
+        yield choice, None  # the end of this choice
+
+    async def response(self) -> dict:
+        """The whole answer (non-streaming)."""
+        async for choice, delta in merge([self._tagged(c) for c in self.choices]):
+            if delta is not None:
+                choice.logprobs += delta.logprobs
+        return {
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model.name,
+            "choices": [self._final_choice(c) for c in self.choices], "usage": self.usage(),
+        }  # fmt: skip
+
+    async def events(self) -> AsyncIterator[dict]:
+        """The streamed chunks (SSE payloads), the usage chunk last when asked for."""
+        include_usage = self.request.include_usage
+        async for choice, delta in merge([self._tagged(c) for c in self.choices]):
+            if delta is None:
+                text = choice.echo if choice.offset == 0 else ""  # echo of a choice that produced no text
+                yield self._chunk(choice, text, None, choice.output.finish_reason, include_usage)
+                continue
+            text = delta.text
+            if choice.echo and choice.offset == 0:
+                text = choice.echo + text
+            logprobs = None
+            if self._wants_logprobs:
+                logprobs = completion_logprobs(delta.logprobs, choice.offset + len(text) - len(delta.text))
+            choice.offset += len(text)
+            yield self._chunk(choice, text, logprobs, None, include_usage)
+        if include_usage:
+            yield {
+                "id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model.name,
+                "choices": [], "usage": self.usage(),
+            }  # fmt: skip
+
+    def usage(self) -> dict:
+        n = self.request.n
+        per_prompt = [[c.output.usage for c in self.choices[p * n : (p + 1) * n]] for p in range(len(self.prompt_lens))]
+        if any(u is None for usages in per_prompt for u in usages):  # cut short: count what arrived
+            completion = sum(c.output.num_tokens for c in self.choices)
+            return usage_dict(sum(self.prompt_lens), completion, 0)
+        return total_usage(self.prompt_lens, per_prompt)
+
+    # ----------------------------------------------------------------- shapes
+    @property
+    def _wants_logprobs(self) -> bool:
+        return self.request.logprobs is not None
+
+    def _final_choice(self, choice: _Choice) -> dict:
+        text = choice.echo + choice.output.text
+        return {
+            "index": choice.index, "text": text,
+            "logprobs": completion_logprobs(choice.logprobs, len(choice.echo)) if self._wants_logprobs else None,
+            "finish_reason": choice.output.finish_reason,
+        }  # fmt: skip
+
+    def _chunk(self, choice: _Choice, text: str, logprobs, finish_reason, include_usage: bool) -> dict:
+        chunk = {
+            "id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model.name,
+            "choices": [{"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+        }  # fmt: skip
+        if include_usage:
+            chunk["usage"] = None
+        return chunk

@@ -1,0 +1,262 @@
+"""OpenAI request bodies as strict pydantic models (no coercion: "5" is not an int, 1 is not a bool).
+
+Unknown fields are ignored, as OpenAI-compatible servers commonly do; known
+OpenAI fields splitserve cannot honour are accepted at their neutral value and
+refused otherwise, with a message that names them. Fields whose wrong shapes
+would give confusing union errors (prompt, stop, message content, tool_choice)
+are checked by hand first. Limits that depend on the served model (context
+length, vocabulary) are checked later, in prompts.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from splitserve.gateway.errors import bad_request
+
+MAX_N = 16
+"""Choices per request (and prompts x choices per completion request: MAX_N * MAX_PROMPTS)."""
+MAX_PROMPTS = 64
+MAX_STOP = 16
+MAX_TOKENS_LIMIT = 1 << 24
+"""Absurd-value guard; the real bound is the model's context (prompts.py)."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    """Send one more chunk before [DONE] with the usage of the whole request (and `choices: []`)."""
+
+
+def _check_stop(value: Any) -> Any:
+    if value is None or (isinstance(value, str) and value):
+        return value
+    if isinstance(value, list) and len(value) <= MAX_STOP and all(isinstance(s, str) and s for s in value):
+        return value
+    raise bad_request(
+        f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings, got {_show(value)}", "stop"
+    )
+
+
+class SamplingFields(_Strict):
+    """What completions and chat share."""
+
+    model: str | None = Field(default=None, description="The served model's name (GET /v1/models); another name is a 404.")
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="0 = greedy; default 1.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus threshold; default 1 (off).")
+    top_k: int | None = Field(default=None, ge=-1, le=1 << 20, description="Extra: keep the k most likely tokens; 0 or -1 = off.")
+    n: int = Field(default=1, ge=1, le=MAX_N, description="Choices to generate for each prompt.")
+    seed: int | None = Field(default=None, ge=0, lt=1 << 63, description="Sampling seed; choice i uses seed + i.")
+    stop: str | list[str] | None = Field(default=None, description=f"Up to {MAX_STOP} strings that end the output (not included).")
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Not supported: must be 0.")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Not supported: must be 0.")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported: must be empty.")
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _validate_stop(cls, value: Any) -> Any:
+        return _check_stop(value)
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise bad_request(f"{name} is not supported by splitserve; leave it at 0", name, "unsupported_parameter")
+        if self.logit_bias:
+            raise bad_request("logit_bias is not supported by splitserve", "logit_bias", "unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+def _check_prompt(value: Any) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(_is_token(t) for t in value):
+            return value
+        if len(value) <= MAX_PROMPTS and all(isinstance(p, str) for p in value):
+            return value
+        if len(value) <= MAX_PROMPTS and all(isinstance(p, list) and p and all(_is_token(t) for t in p) for p in value):
+            return value
+    raise bad_request(
+        "prompt must be a string, a list of token ids, or a non-empty list (at most "
+        f"{MAX_PROMPTS}) of strings or of token-id lists; got {_show(value)}",
+        "prompt",
+    )
+
+
+class CompletionRequest(SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]] = Field(description="Text, token ids, or a batch of either.")
+    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT, description="New tokens per choice; default 16.")
+    logprobs: int | None = Field(default=None, ge=0, le=20, description="Log-probs of each token and this many alternatives.")
+    echo: bool = Field(default=False, description="Prepend the prompt to the text (not with logprobs).")
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported.")
+    suffix: str | None = Field(default=None, description="Not supported.")
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _validate_prompt(cls, value: Any) -> Any:
+        return _check_prompt(value)
+
+    @model_validator(mode="after")
+    def _completion_rules(self):
+        if self.best_of is not None and self.best_of != self.n:
+            raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of")
+        if self.suffix:
+            raise bad_request("suffix is not supported by splitserve", "suffix", "unsupported_parameter")
+        if self.echo and self.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt log-probs, which splitserve does not return", "echo")
+        return self
+
+
+# ------------------------------------------------------------------------ chat
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Strict):
+    """A tool call of an earlier assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+def _check_content(value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) for p in value):
+        for part in value:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type")
+                raise bad_request(
+                    f"only text content parts are supported (type 'text' with a string 'text'), got type {kind!r}",
+                    "messages.content",
+                )
+        return value
+    raise bad_request(f"message content must be a string or a list of text parts, got {_show(value)}", "messages.content")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _validate_content(cls, value: Any) -> Any:
+        return _check_content(value)
+
+    @property
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponseFormat(_Strict):
+    type: str
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ChatCompletionRequest(SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT, description="Default: the rest of the context.")
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT, description="Alias of max_tokens.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20, description="Alternatives per token (needs logprobs).")
+    tools: list[Tool] | None = Field(default=None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Extra: variables for the chat template.")
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _chat_rules(self):
+        if self.top_logprobs and not self.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
+        if self.response_format is not None and self.response_format.type != "text":
+            raise bad_request(
+                f"response_format {self.response_format.type!r} needs guided decoding, which splitserve does not support",
+                "response_format", "unsupported_parameter",
+            )  # fmt: skip
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise bad_request("tool_choice needs tools", "tool_choice")
+        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
+            raise bad_request(
+                "tool_choice 'required' or a named function needs guided decoding, which splitserve does not support; "
+                "use 'auto'", "tool_choice", "unsupported_parameter",
+            )  # fmt: skip
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _is_token(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
