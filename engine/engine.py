@@ -40,7 +40,9 @@ class StepOutput:
     request_id: str
     new_token_ids: tuple[int, ...]
     new_text: str
-    result: GenerationResult
+    result: GenerationResult | None
+    """The request's state after the step; None for an unfinished request when the
+    engine's `snapshot_outputs` is off."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,10 @@ class Engine:
         self.model_path = config.model
         """Checkpoint the weights came from (changes on a lifecycle reload)."""
         self.is_suspended = False
+        self.snapshot_outputs = True
+        """Attach a full result snapshot to every step output (streaming consumers);
+        when False only finished requests get one (batch `generate`: saves O(tokens)
+        copies per request per step on the hot path)."""
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()
@@ -170,9 +176,16 @@ class Engine:
             # On a rank group, clocks differ per rank: the group's driver decides
             # expiry and broadcasts releases (see `EngineLoop`), keeping ranks in step.
             self.release_expired_handoffs()
+        started = time.monotonic()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
+        for chunk in out.chunks:
+            req = chunk.request
+            if not req.output_token_ids:  # a prompt chunk: the request's queue wait ends here
+                req.num_prefill_chunks += 1
+                if req.first_scheduled_time is None:
+                    req.first_scheduled_time = started
         results = self.runner.execute(out)
         outputs = []
         now = time.monotonic()
@@ -195,7 +208,9 @@ class Engine:
                 status = RequestStatus.HANDOFF
             if status is not None:
                 self._finish(req, status, res.sample.logprob)
-            outputs.append(StepOutput(req.request_id, (token,), delta, GenerationResult.from_request(req, req.status.is_finished)))
+            is_finished = req.status.is_finished
+            result = GenerationResult.from_request(req, is_finished) if is_finished or self.snapshot_outputs else None
+            outputs.append(StepOutput(req.request_id, (token,), delta, result))
         return outputs
 
     def abort(self, request_id: str) -> bool:

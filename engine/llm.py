@@ -94,17 +94,20 @@ class LLM:
             self.engine.validate(ids, params)
         request_ids = [self.engine.next_request_id() for _ in batch]
         results: dict[str, GenerationResult] = {}
+        snapshot, self.engine.snapshot_outputs = self.engine.snapshot_outputs, False
         try:
             for request_id, ids in zip(request_ids, batch, strict=True):
                 self.engine.add_request(request_id, ids, params)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
-                    if out.result.is_finished:
+                    if out.result is not None and out.result.is_finished:
                         results[out.request_id] = out.result
         except BaseException:
             for request_id in request_ids:
                 self.engine.abort(request_id)
             raise
+        finally:
+            self.engine.snapshot_outputs = snapshot
         return [results[r] for r in request_ids]
 
 

@@ -247,6 +247,7 @@ class SimEngine:
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
         self.is_suspended = False
+        self.snapshot_outputs = True
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()
