@@ -1,6 +1,7 @@
 """Chart smoke test: the commands and environment the chart renders, run as local
 processes on loopback. etcd, the control plane, one prefill and one decode worker
-(the simulated engine of deploy/helm/examples/cpu-sim.yaml) and a router start from
+(deploy/helm/examples/cpu-sim.yaml switched to the real torch engine on the
+embedded tiny model, KV over NIXL) and a router start from
 their rendered args (only addresses are rewritten: pod DNS names and the pod IP
 become 127.0.0.1, ports become free ones); each passes the gRPC health check its
 probe runs; a request through the router is served disaggregated; on SIGTERM
@@ -37,9 +38,10 @@ ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "splitserve"
 RELEASE, NAMESPACE = "smoke", "splitserve"
 FULLNAME = f"{RELEASE}-splitserve"
-# The sim engine's default shape is Llama-3-8B: keep its KV pool small.
+# The real engine on the embedded tiny model (the issue asks for a completion on it).
 MODEL = Path(default_model.__file__).parent / "files"
-SETTINGS = [f"model.path={MODEL}", "gateway.servedModelName=tiny", "prefill.bufferSizeGb=0.25",
+SETTINGS = [f"model.path={MODEL}", "engine.kind=torch", "engine.transport=nixl", "gateway.servedModelName=tiny",
+            "prefill.bufferSizeGb=0.25",
             "decode.bufferSizeGb=0.25", "engine.graceSeconds=2", "engine.handoffLeaseSeconds=5",
             "router.gracePeriodSeconds=2", "gateway.gracePeriodSeconds=2"]  # fmt: skip
 
