@@ -24,9 +24,10 @@ def cluster(tmp_path_factory):
     model = tmp / "model"
     model.mkdir()
     build_hf_checkpoint(model, "llama", num_hidden_layers=2)
-    workers = [("prefill-worker", FLAGS), ("decode-worker", FLAGS)]
+    workers = [("prefill-worker", FLAGS), ("prefill-worker", FLAGS), ("decode-worker", FLAGS)]
     router_flags = ["--block-size", "8", "--disagg-min-uncached-tokens", "1", "--policy", "longest_prefix"]
-    with LocalCluster(tmp, str(model), "tp=1,role=prefill+tp=1,role=decode", workers, router_flags=router_flags) as c:
+    spec = "tp=1,dp=2,role=prefill+tp=1,role=decode"
+    with LocalCluster(tmp, str(model), spec, workers, router_flags=router_flags) as c:
         yield c
 
 
@@ -60,7 +61,16 @@ def test_routed_requests_match_aggregated_and_use_kv_events(cluster):
         return chunk if chunk.routing.predicted_cached_tokens >= 40 else None
 
     predicted.n = 0
+    holder = last.routing.prefill_worker_id
     last = wait_for(predicted, 20, "router never predicted the cached prefix")
     assert last.usage.cached_tokens >= 40
-    tokens, _ = _generate(cluster.router, "second", prompts[1], params)
+    # Of the two prefill workers, prefix-sharing prompts land on the one holding the prefix.
+    assert last.routing.prefill_worker_id == holder
+    tokens, last = _generate(cluster.router, "second", prompts[1], params)
     assert tokens == expected[1].generated_tokens
+    assert last.routing.prefill_worker_id == holder and last.usage.cached_tokens >= 40
+    # A prompt with another prefix may go anywhere; one sharing the first prefix still goes to the holder.
+    other = torch.randint(3, 512, (40,), generator=g).tolist()
+    _generate(cluster.router, "other", other, params)
+    _, last = _generate(cluster.router, "third", shared + [20, 21], params)
+    assert last.routing.prefill_worker_id == holder
