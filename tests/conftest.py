@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import os
 
 import pytest
@@ -10,6 +12,18 @@ from tests.fixtures.models import build_hf_checkpoint, build_tokenizer
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+
+ASYNC_TEST_TIMEOUT_S = 60
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run `async def test_*` under asyncio.run with a time cap (no pytest-asyncio needed)."""
+    if not inspect.iscoroutinefunction(pyfuncitem.obj):
+        return None
+    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
+    return True
 
 @pytest.fixture(scope="session")
 def llama_ckpt(tmp_path_factory):

@@ -1,15 +1,12 @@
 """Fixtures of the control-plane tests: a real etcd, one cluster namespace per test, async tests.
 
-`async def test_*` functions run under asyncio.run with a 60 s cap (no
-pytest-asyncio needed). One etcd serves the whole session; each test gets
+`async def test_*` functions run under asyncio.run (tests/conftest.py). One etcd serves the whole session; each test gets
 its own cluster name (keys under /splitserve-test/<name>/), so tests never see
 each other's keys. A test that restarts etcd uses `own_etcd` instead.
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import re
 import uuid
 
@@ -17,17 +14,6 @@ import pytest
 
 from splitserve.control_plane.keys import ClusterKeys
 from tests.fixtures.etcd import EtcdServer
-
-ASYNC_TEST_TIMEOUT_S = 60
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if not inspect.iscoroutinefunction(pyfuncitem.obj):
-        return None
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
-    return True
 
 
 @pytest.fixture(scope="session")

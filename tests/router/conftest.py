@@ -1,13 +1,10 @@
 """Fixtures of the router tests: async tests, a real etcd for the topology tests.
 
-`async def test_*` functions run under asyncio.run with a 30 s cap (no
-pytest-asyncio needed), like the control-plane tests.
+`async def test_*` functions run under asyncio.run (tests/conftest.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import re
 import uuid
 
@@ -15,17 +12,6 @@ import pytest
 
 from splitserve.control_plane.keys import ClusterKeys
 from tests.fixtures.etcd import EtcdServer
-
-ASYNC_TEST_TIMEOUT_S = 30
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
-    if not inspect.iscoroutinefunction(pyfuncitem.obj):
-        return None
-    kwargs = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
-    asyncio.run(asyncio.wait_for(pyfuncitem.obj(**kwargs), ASYNC_TEST_TIMEOUT_S))
-    return True
 
 
 @pytest.fixture(scope="module")
