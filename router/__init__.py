@@ -18,5 +18,7 @@ Network:
     orchestrator.py     Orchestrator: decide, prefill, decode, relay; retries, cancellation, admission
     service.py          Router gRPC servicer; the only proto <-> dataclass conversion
     server.py, cli.py   RouterServer, `splitserve router` flags
+Benchmark:
+    bench.py            `splitserve bench router`: a Mooncake trace through ClusterView + policies, vs an oracle
 The workers' side of KV events is engine/kv_events.py (KVEventPublisher).
 """

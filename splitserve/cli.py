@@ -5,6 +5,7 @@
     splitserve gateway --router HOST:PORT [--model DIR]              OpenAI-compatible HTTP API
     splitserve up [--model DIR] [--inference-shards SPEC]            a whole local cluster
     splitserve trace report FILE [--out PNG]                         TTFT breakdown from exported spans
+    splitserve bench router [--trace FILE] [--workers N] [--policy P] routing policies on a trace, vs an oracle
 
 Every subcommand also takes `--config FILE.yaml` and SPLITSERVE_<OPTION>
 environment variables (see config_sources.py). Subcommands register themselves through `add_arguments(parser)` + `run(args)`
@@ -28,6 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode-worker": ("splitserve.decode_worker.cli", "run a decode worker (imports KV, streams tokens)"),
     "gateway": ("splitserve.gateway.cli", "run the OpenAI-compatible HTTP gateway in front of a router"),
     "up": ("splitserve.up", "start a whole local cluster (etcd, control plane, workers, router, gateway)"),
+    "bench": ("splitserve.router.bench", "benchmarks: `bench router` = replay a Mooncake trace through the routing policies"),
     "trace": ("splitserve.telemetry.cli", "trace tools: `trace report FILE` = TTFT breakdown table + PNG waterfall"),
 }
 
