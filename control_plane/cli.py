@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
@@ -19,6 +18,8 @@ from splitserve.control_plane.errors import SpecMismatchError
 from splitserve.control_plane.registry import DEFAULT_LEASE_TTL_S
 from splitserve.control_plane.server import ControlPlaneConfig, serve
 from splitserve.control_plane.shard_spec import ShardSpecError
+from splitserve.telemetry import init_process
+from splitserve.telemetry.metrics import add_metrics_arguments
 
 DESCRIPTION = """\
 Run one control-plane replica. It assigns every registering prefill/decode
@@ -92,6 +93,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (env SPLITSERVE_LOG_LEVEL; default %(default)s)",
     )  # fmt: skip
+    add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
@@ -105,6 +107,8 @@ def config_from_args(args: argparse.Namespace) -> ControlPlaneConfig:
         lease_ttl_s=args.lease_ttl,
         replica_id=args.replica_id,
         grace_period_s=args.grace_period,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
     )
 
 
@@ -118,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_process("splitserve-control-plane", args.log_level)
     try:
         asyncio.run(serve(config))
     except SpecMismatchError as e:

@@ -30,6 +30,7 @@ from splitserve.control_plane.service import ControlPlaneService
 from splitserve.control_plane.shard_spec import ShardSpec, parse_inference_shards
 from splitserve.control_plane.topology_feed import TopologyFeed
 from splitserve.proto.v1 import control_plane_pb2, control_plane_pb2_grpc
+from splitserve.telemetry.metrics import ControlPlaneMetrics, MetricsServer, start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,10 @@ class ControlPlaneConfig:
     """Name of this replica in the leader key; None = <hostname>-<pid>."""
     grace_period_s: float = 5.0
     """How long in-flight calls may run on after shutdown starts."""
+    metrics_port: int = 0
+    """HTTP port of Prometheus /metrics; 0 = not served."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of /metrics."""
 
     def __post_init__(self) -> None:
         parse_inference_shards(self.inference_shards)  # raises ShardSpecError naming the bad token
@@ -97,6 +102,8 @@ class ControlPlaneServer:
         self._feed = TopologyFeed(self._store)
         self._health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self.metrics = ControlPlaneMetrics(self._metrics_state)
+        self.metrics_server: MetricsServer | None = None
 
     async def start(self) -> str:
         """Checks the spec against etcd, starts serving and campaigning; returns the bound address."""
@@ -120,9 +127,20 @@ class ControlPlaneServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("control plane %s serving on %s (cluster %s)", self.replica_id, self.address, self.config.cluster)
+        self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port, self.config.metrics_host)
         return self.address
 
+    def _metrics_state(self) -> tuple[bool, int, int, int] | None:
+        topology = self._feed.latest
+        if topology is None:
+            return None
+        is_leader = self.election is not None and self.election.is_leader
+        filled = sum(1 for o in topology.occupants if o is not None)
+        return is_leader, len(topology.occupants), filled, len(topology.workers)
+
     async def stop(self) -> None:
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
         await self._health.enter_graceful_shutdown()
         if self.election is not None:
             await self.election.close()

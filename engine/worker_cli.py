@@ -6,6 +6,7 @@ import argparse
 
 from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.worker_runtime import WorkerSpec
+from splitserve.telemetry.metrics import add_metrics_arguments
 
 
 def add_worker_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,6 +32,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=64, help="requests running at once")
     p.add_argument("--handoff-lease-s", type=float, default=30.0, help="seconds a pinned handoff waits for its ack")
     p.add_argument("--grace-s", type=float, default=10.0, help="seconds to finish in-flight work on SIGTERM")
+    add_metrics_arguments(p)
     sim = p.add_argument_group("simulated engine (control-plane / router tests with many workers on a CPU)")
     sim.add_argument(
         "--engine",
@@ -81,7 +83,8 @@ def run_worker(args: argparse.Namespace, role: str, hooks_factory, add_service) 
     def start():
         spec = spec_from_args(args, role)
         return serve_worker(
-            spec, args.listen, hooks_factory, add_service, etcd=args.etcd, cluster=args.cluster, grace_s=args.grace_s
-        )
+            spec, args.listen, hooks_factory, add_service, etcd=args.etcd, cluster=args.cluster, grace_s=args.grace_s,
+            metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        )  # fmt: skip
 
-    return run_worker_main(start)
+    return run_worker_main(start, f"splitserve-{role}-worker")

@@ -30,6 +30,7 @@ from splitserve.engine.llm import build_engine_config
 from splitserve.engine.serving import EngineLoop
 from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.transfer.transport import TransportEndpoint
+from splitserve.telemetry.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
@@ -233,6 +234,8 @@ class WorkerGroup:
             use_cuda = torch.cuda.is_available()
             dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=world)
         self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory, publisher)
+        self.metrics = WorkerMetrics(spec.role, self.engine)
+        """Prometheus metrics of this worker (served by worker_server.py with --metrics-port)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 

@@ -19,6 +19,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve.engine.worker_runtime import HooksFactory, WorkerGroup, WorkerSpec
+from splitserve.telemetry import init_process
+from splitserve.telemetry.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -33,8 +35,11 @@ async def serve_worker(
     cluster: str = "default",
     grace_s: float = 10.0,
     stop: asyncio.Event | None = None,
+    metrics_port: int = 0,
+    metrics_host: str = "127.0.0.1",
 ) -> None:
-    """Run until SIGTERM/SIGINT (or `stop` is set). Prints `READY <address>` once serving."""
+    """Run until SIGTERM/SIGINT (or `stop` is set). Prints `READY <address>` once serving.
+    `metrics_port` (0 = off) serves the worker's Prometheus /metrics over HTTP."""
     host, _, port_text = listen.rpartition(":")
     address = f"{host}:{int(port_text) or _free_port(host)}"
     registration = publisher = None
@@ -65,6 +70,11 @@ async def serve_worker(
     if server.add_insecure_port(address) == 0:
         group.close()
         raise OSError(f"cannot listen on {address!r}")
+    try:
+        metrics_server = start_metrics_server(group.metrics.registry, metrics_port, metrics_host)
+    except OSError:
+        group.close()
+        raise
     await server.start()
     for name in ("", service_name):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -72,6 +82,8 @@ async def serve_worker(
     if registration is not None:
         follower = asyncio.get_running_loop().create_task(follow_lifecycle(registration, group))
     print(f"READY {address}", flush=True)
+    if metrics_server is not None:  # after READY: launchers read that line first
+        log.info("metrics on http://%s/metrics", metrics_server.address)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -82,6 +94,8 @@ async def serve_worker(
         follower.cancel()
     await drain(group, health_servicer, registration, grace_s)
     await server.stop(1.0)
+    if metrics_server is not None:
+        metrics_server.stop()
     await asyncio.to_thread(group.close)
     if publisher is not None:
         publisher.close()
@@ -193,9 +207,10 @@ async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, wor
     return registration, spec
 
 
-def run_worker_main(coro_factory: Callable[[], object]) -> int:
-    """Run a worker's `serve` coroutine; clean exit codes, no tracebacks for bad input."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def run_worker_main(coro_factory: Callable[[], object], service: str = "splitserve-worker") -> int:
+    """Run a worker's `serve` coroutine; clean exit codes, no tracebacks for bad input.
+    Tracing (OTEL_* variables) and logs are set up for a process named `service`."""
+    init_process(service, logging.INFO)
     try:
         asyncio.run(coro_factory())
     except (ValueError, FileNotFoundError, OSError) as exc:

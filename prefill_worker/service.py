@@ -11,12 +11,14 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import time
 import uuid
 
 import grpc
 
 from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.serving import Command
+from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.wire import (
     descriptor_to_proto,
     finish_reason,
@@ -27,6 +29,7 @@ from splitserve.engine.wire import (
 from splitserve.engine.worker_runtime import WorkerGroup
 from splitserve.prefill_worker.hooks import PrefillOutcome
 from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
+from splitserve.telemetry.spans import attached, emit_span, mark_error, mono_to_unix_ns, start_server_span
 
 log = logging.getLogger(__name__)
 
@@ -39,26 +42,49 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         self.engine = group.engine
         self.max_pinned_blocks = int(max_pinned_fraction * self.engine.pool.num_blocks)
         self.timeout_s = timeout_s
+        self.metrics = group.metrics
 
     async def _submit(self, command: Command):
         return await asyncio.wrap_future(self.loop.submit(command))
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
-        if self.group.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; use another")
-        self.group.num_in_flight += 1
-        try:
-            return await self._prefill(request, context)
-        finally:
-            self.group.num_in_flight -= 1
+        started = time.monotonic()
+        span, span_context = start_server_span("prefill.request", context.invocation_metadata(), {
+            "rpc.system": "grpc", "rpc.service": "splitserve.v1.PrefillWorker", "rpc.method": "Prefill",
+            "splitserve.request_id": request.request_id, "splitserve.prompt_tokens": len(request.token_ids),
+        })  # fmt: skip
+        outcome = "error"
+        with attached(span_context):
+            try:
+                if self.group.draining:
+                    self.metrics.rejections.labels("prefill", "draining").inc()
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; use another")
+                self.group.num_in_flight += 1
+                try:
+                    response = await self._prefill(request, context, started)
+                finally:
+                    self.group.num_in_flight -= 1
+                outcome = "handoff" if response.HasField("handoff") else "finished"
+                return response
+            except asyncio.CancelledError:
+                outcome = "cancelled"
+                raise
+            except BaseException as exc:
+                mark_error(span, exc)
+                raise
+            finally:
+                self.metrics.requests.labels("prefill", outcome).inc()
+                span.set_attribute("splitserve.outcome", outcome)
+                span.end()
 
-    async def _prefill(self, request, context):
+    async def _prefill(self, request, context, started: float):
         request_id = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_from_proto(request.sampling_params)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if self.engine.num_pinned_blocks >= self.max_pinned_blocks:
+            self.metrics.rejections.labels("prefill", "pinned_budget_full").inc()
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"pinned KV budget full ({self.engine.num_pinned_blocks} of {self.max_pinned_blocks} blocks); retry",
@@ -83,9 +109,42 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         response = prefill_worker_pb2.PrefillResponse(num_cached_tokens=outcome.result.num_cached_tokens)
         if outcome.descriptor is not None:
             response.handoff.CopyFrom(descriptor_to_proto(outcome.descriptor))
+            self.metrics.handoffs.labels("prefill").inc()
         else:
             response.finish_reason = finish_reason(outcome.result)
+        response.timing.CopyFrom(self._record_timing(outcome, started))
         return response
+
+    def _record_timing(self, outcome: PrefillOutcome, started: float) -> prefill_worker_pb2.PrefillTiming:
+        """Phase spans (children of the current prefill.request span), metrics, and the reply's timing."""
+        result, now = outcome.result, time.monotonic()
+        t = result.timing
+        scheduled = t.first_scheduled if t and t.first_scheduled is not None else started
+        first = t.first_token if t and t.first_token is not None else scheduled
+        num_chunks = t.num_prefill_chunks if t else 0
+        emit_span("prefill.queue", mono_to_unix_ns(started), mono_to_unix_ns(scheduled), is_ttft_phase=True)
+        emit_span("prefill.compute", mono_to_unix_ns(scheduled), mono_to_unix_ns(first), {
+            "splitserve.prompt_tokens": result.prompt_length, "splitserve.cached_tokens": result.num_cached_tokens,
+            "splitserve.computed_tokens": result.prompt_length - result.num_cached_tokens,
+            "splitserve.prefill_chunks": num_chunks,
+        }, is_ttft_phase=True)  # fmt: skip
+        desc = outcome.descriptor
+        publish = {"splitserve.handoff": desc is not None}
+        if desc is not None:
+            layout = desc.layout
+            publish.update({
+                "splitserve.kv.transport": desc.transport_kind, "splitserve.kv.blocks": len(desc.block_checksums),
+                "splitserve.kv.src_layout": layout_text(layout),
+            })  # fmt: skip
+        emit_span("handoff.publish", mono_to_unix_ns(first), mono_to_unix_ns(now), publish, is_ttft_phase=True)
+        m = self.metrics
+        m.queue_seconds.labels("prefill").observe(scheduled - started)
+        m.prefill_seconds.labels("prefill").observe(first - scheduled)
+        m.ttft_seconds.labels("prefill").observe(first - started)
+        return prefill_worker_pb2.PrefillTiming(
+            handler_ms=(now - started) * 1e3, queue_ms=(scheduled - started) * 1e3, compute_ms=(first - scheduled) * 1e3,
+            publish_ms=(now - first) * 1e3, num_chunks=num_chunks,
+        )  # fmt: skip
 
     async def Release(self, request, context):  # noqa: N802
         was_pinned = await self._submit(Command("release", request.request_id))

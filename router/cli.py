@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 
@@ -15,6 +14,8 @@ from splitserve.router.cluster_view import BlockSizeMismatchError
 from splitserve.router.config import RouterConfig
 from splitserve.router.policy import POLICIES, PolicyConfig
 from splitserve.router.server import serve
+from splitserve.telemetry import init_process
+from splitserve.telemetry.metrics import add_metrics_arguments
 
 DESCRIPTION = """\
 Run a router: the front door of a splitserve cluster. It follows the
@@ -88,6 +89,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long running requests may go on (env SPLITSERVE_ROUTER_GRACE_PERIOD; default %(default)s)")
     add("--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (env SPLITSERVE_ROUTER_LOG_LEVEL; default %(default)s)")  # fmt: skip
+    add_metrics_arguments(parser)
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -102,7 +104,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         block_size=None if args.block_size is None else int(args.block_size), policy=policy,
         kv_events=args.kv_events, approximate_ttl_s=args.approximate_ttl, max_in_flight=args.max_in_flight,
         max_running_per_worker=args.max_running_per_worker, topology_timeout_s=args.topology_timeout,
-        grace_period_s=args.grace_period,
+        grace_period_s=args.grace_period, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )  # fmt: skip
 
 
@@ -113,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    init_process("splitserve-router", args.log_level)
     try:
         asyncio.run(serve(config))
     except (BlockSizeMismatchError, TimeoutError) as e:

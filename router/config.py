@@ -52,6 +52,10 @@ class RouterConfig:
     """How long start() waits for the first topology."""
     grace_period_s: float = 5.0
     """On shutdown, how long running requests may go on."""
+    metrics_port: int = 0
+    """HTTP port of Prometheus /metrics; 0 = not served."""
+    metrics_host: str = "127.0.0.1"
+    """Bind address of /metrics."""
 
     def __post_init__(self) -> None:
         if isinstance(self.control_planes, str):
@@ -67,5 +71,7 @@ class RouterConfig:
             _check_positive(name, getattr(self, name))
         for name in ("approximate_ttl_s", "prefill_timeout_s", "decode_timeout_s", "control_timeout_s", "topology_timeout_s"):
             _check_positive(name, getattr(self, name), float)
+        if isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
+            raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port!r}")
         if not isinstance(self.grace_period_s, int | float) or self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")

@@ -108,11 +108,25 @@ class RoutingSummary:
 
 
 @dataclass(frozen=True)
+class TimingPhase:
+    """One measured part of a request (names in router.proto's TimingPhase)."""
+
+    name: str
+    ms: float
+    is_ttft: bool
+    """On the path from the request's arrival to its first token."""
+
+
+@dataclass(frozen=True)
 class TimingSummary:
     route_ms: float
     prefill_ms: float
     time_to_first_token_ms: float
     total_ms: float
+    phases: tuple[TimingPhase, ...] = ()
+    trace_id: str = ""
+    kv_transfer_bytes: int = 0
+    kv_transfer_gbps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +141,32 @@ class OutputChunk:
 
 
 # ------------------------------------------------------------- worker replies
+@dataclass(frozen=True)
+class PrefillTiming:
+    """PrefillResponse.timing: milliseconds measured on the prefill worker."""
+
+    handler_ms: float
+    queue_ms: float
+    compute_ms: float
+    publish_ms: float
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class DecodeTiming:
+    """DecodeChunk.timing (last chunk): milliseconds measured on the decode worker."""
+
+    queue_ms: float = 0.0
+    prefill_ms: float = 0.0
+    transfer_ms: float = 0.0
+    transfer_bytes: int = 0
+    transfer_seconds: float = 0.0
+    transport: str = ""
+    first_step_ms: float = 0.0
+    first_chunk_ms: float = 0.0
+    stream_ms: float = 0.0
+
+
 class WorkerCallError(RuntimeError):
     """A call to a worker failed; `code` is the gRPC status."""
 
@@ -155,6 +195,7 @@ class PrefillResult:
     handoff: bytes
     """The serialized HandoffDescriptor: opaque to the router, passed on to Decode as is."""
     lease_deadline_unix_ms: int = 0
+    timing: PrefillTiming | None = None
 
 
 @dataclass(frozen=True)
@@ -164,6 +205,8 @@ class DecodeOutput:
     tokens: Tokens
     finish_reason: FinishReason | None = None
     num_cached_tokens: int = 0
+    timing: DecodeTiming | None = None
+    """On the last message only."""
 
 
 @dataclass(frozen=True)

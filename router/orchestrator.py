@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
+from opentelemetry import trace
 
 from splitserve.engine.block_hash import hash_blocks
 from splitserve.router.cluster_view import ClusterView
 from splitserve.router.config import RouterConfig
 from splitserve.router.messages import (
+    DecodeTiming,
     FinishReason,
     GenerateRequest,
     OutputChunk,
@@ -40,6 +42,8 @@ from splitserve.router.messages import (
     WorkerCallError,
 )
 from splitserve.router.policy import (
+    DisaggRequiredError,
+    NoWorkersError,
     OverloadedError,
     RoutingError,
     choose_decode,
@@ -48,6 +52,19 @@ from splitserve.router.policy import (
 )
 from splitserve.router.request_run import RequestRun, continuation, is_handoff_reusable
 from splitserve.router.workers import WorkerEndpoint
+from splitserve.telemetry.logs import may_log_prompts
+from splitserve.telemetry.metrics import RouterMetrics
+from splitserve.telemetry.spans import (
+    FIRST_MESSAGE,
+    TTFT_PHASE,
+    attached,
+    emit_span,
+    mark_error,
+    mono_to_unix_ns,
+    start_client_span,
+    trace_id_hex,
+)
+from splitserve.telemetry.tracing import tracer
 
 if TYPE_CHECKING:  # worker_client imports service.py, which imports this module
     from splitserve.router.worker_client import GrpcWorkerClient
@@ -62,11 +79,14 @@ class DuplicateRequestError(ValueError):
 class Orchestrator:
     """Runs Generate requests against the workers of a ClusterView."""
 
-    def __init__(self, config: RouterConfig, view: ClusterView, client: GrpcWorkerClient) -> None:
+    def __init__(
+        self, config: RouterConfig, view: ClusterView, client: GrpcWorkerClient, metrics: RouterMetrics | None = None
+    ) -> None:
         """`client` may be any object with GrpcWorkerClient's prefill/decode/abort methods."""
         self._config = config
         self._view = view
         self._client = client
+        self.metrics = metrics or RouterMetrics()
         self._running: dict[str, RequestRun] = {}
         self._background: set[asyncio.Task] = set()
 
@@ -76,22 +96,66 @@ class Orchestrator:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[OutputChunk]:
         """Streams the request's output; raises RoutingError subclasses, WorkerCallError or DuplicateRequestError."""
+        m = self.metrics
         if request.request_id in self._running:
+            m.rejections.labels("duplicate_request_id").inc()
             raise DuplicateRequestError(f"request {request.request_id!r} is already running")
         if len(self._running) >= self._config.max_in_flight:
+            m.rejections.labels("max_in_flight").inc()
             raise OverloadedError(f"{len(self._running)} requests in flight (max_in_flight={self._config.max_in_flight})")
-        run = self._running[request.request_id] = RequestRun(request, time.monotonic())
+        span = trace.get_current_span()  # Router.Generate's server span (service.py)
+        run = self._running[request.request_id] = RequestRun(request, time.monotonic(), trace_id=trace_id_hex(span))
+        m.in_flight.inc()
+        m.prompt_tokens.inc(len(request.token_ids))
+        if log.isEnabledFor(logging.DEBUG):  # prompts stay out of logs unless SPLITSERVE_LOG_PROMPTS=1
+            shown = f": {list(request.token_ids)}" if may_log_prompts() else ""
+            log.debug("request %s: %d prompt tokens%s", request.request_id, len(request.token_ids), shown)
+        outcome, last_token_at = "cancelled", None
         try:
             async for chunk in self._generate(run):
                 if chunk.finish_reason is not None:
                     run.is_finished = True
-                if chunk.tokens.token_ids and run.first_token_at is None:
-                    run.first_token_at = time.monotonic()
+                    outcome = chunk.finish_reason.value
+                num_tokens = len(chunk.tokens.token_ids)
+                now = time.monotonic()
+                if num_tokens and run.first_token_at is None:
+                    run.first_token_at = now
+                    if run.first_token_in_hand_at is not None:  # the relay: reply in hand -> token out
+                        emit_span("router.first_token", mono_to_unix_ns(run.first_token_in_hand_at),
+                                  mono_to_unix_ns(now), is_ttft_phase=True)  # fmt: skip
+                elif num_tokens and last_token_at is not None:
+                    m.itl_seconds.observe((now - last_token_at) / num_tokens)
+                last_token_at = now if num_tokens else last_token_at
                 yield chunk
+                if num_tokens and run.first_token_sent_at is None:
+                    run.first_token_sent_at = time.monotonic()
+                    m.ttft_seconds.observe(run.ttft_s)
+        except (OverloadedError, NoWorkersError, DisaggRequiredError) as e:
+            outcome = "rejected"
+            m.rejections.labels(_REJECTION_REASONS.get(type(e), type(e).__name__)).inc()
+            raise
+        except (RoutingError, WorkerCallError) as e:
+            outcome = "error"
+            span.record_exception(e)
+            raise
         finally:
             del self._running[request.request_id]
             if not run.is_finished or run.is_aborted:  # cancelled, failed or abandoned: free what workers hold
                 self._abort_workers(run)
+            m.in_flight.dec()
+            m.requests.labels(outcome).inc()
+            m.cached_tokens.inc(run.num_cached_tokens)
+            if run.decode_timing is not None:
+                m.transfer_bytes.inc(run.decode_timing.transfer_bytes)
+            span.set_attributes({
+                "splitserve.request_id": request.request_id, "splitserve.outcome": outcome,
+                "splitserve.prompt_tokens": len(request.token_ids), "splitserve.completion_tokens": run.num_completion_tokens,
+                "splitserve.cache.predicted_tokens": run.predicted_cached_tokens,
+                "splitserve.cache.actual_tokens": run.num_cached_tokens,
+                "splitserve.prefill_worker": run.prefill_worker_id or "", "splitserve.decode_worker": run.decode_worker_id,
+                "splitserve.num_prefill_attempts": run.num_prefill_attempts,
+                "splitserve.num_decode_attempts": run.num_decode_attempts,
+            })  # fmt: skip
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request on its workers; its stream ends with FinishReason.ABORT."""
@@ -112,9 +176,21 @@ class Orchestrator:
     async def _generate(self, run: RequestRun) -> AsyncIterator[OutputChunk]:
         request = run.request
         started = time.monotonic()
-        run.hashes = hash_blocks(request.token_ids, self._view.block_size)
-        decision = route(self._snapshot(run), self._config.policy, request.enforce_disagg)
+        policy = self._config.policy.policy
+        with tracer().start_as_current_span("router.route", attributes={TTFT_PHASE: True, "splitserve.policy": policy}) as span:
+            run.hashes = hash_blocks(request.token_ids, self._view.block_size)
+            decision = route(self._snapshot(run), self._config.policy, request.enforce_disagg)
+            span.set_attributes({
+                "splitserve.disaggregated": decision.is_disaggregated,
+                "splitserve.prefill_worker": decision.prefill_worker_id or "",
+                "splitserve.decode_worker": decision.decode_worker_id,
+                "splitserve.cache.predicted_tokens": decision.num_predicted_cached_tokens,
+                "splitserve.transfer_blocks": decision.num_transfer_blocks, "splitserve.reason": decision.reason,
+            })  # fmt: skip
         run.route_ms = (time.monotonic() - started) * 1e3
+        self.metrics.route_seconds.observe(run.route_ms / 1e3)
+        self.metrics.decisions.labels(policy, "disaggregated" if decision.is_disaggregated else "aggregated").inc()
+        self.metrics.predicted_cached_tokens.inc(decision.num_predicted_cached_tokens)
         run.prefill_worker_id, run.decode_worker_id = decision.prefill_worker_id, decision.decode_worker_id
         run.predicted_cached_tokens, run.reason = decision.num_predicted_cached_tokens, decision.reason
         run.num_transfer_blocks = decision.num_transfer_blocks
@@ -142,21 +218,32 @@ class Orchestrator:
             worker = self._view.worker(run.prefill_worker_id)
             run.num_prefill_attempts += 1
             started = time.monotonic()
+            span, ctx = start_client_span("router.prefill", {
+                "splitserve.worker": run.prefill_worker_id, "splitserve.attempt": run.num_prefill_attempts,
+                "splitserve.cache.predicted_tokens": run.predicted_cached_tokens,
+            })  # fmt: skip
             try:
                 if worker is None:
                     raise WorkerCallError(run.prefill_worker_id, "Prefill", grpc.StatusCode.UNAVAILABLE, "left the topology")
                 run.touched[worker.worker_id] = worker
-                with self._view.load.track(worker.worker_id):
+                with self._view.load.track(worker.worker_id), attached(ctx):
                     result = await self._client.prefill(worker, run.request, run.decode_worker_id, self._config.prefill_timeout_s)
+                run.first_token_in_hand_at = time.monotonic()
+                span.add_event(FIRST_MESSAGE)
+                run.prefill_call_ms = (run.first_token_in_hand_at - started) * 1e3
+                run.prefill_timing = result.timing
+                span.set_attribute("splitserve.cache.actual_tokens", result.num_cached_tokens)
                 run.touched[worker.worker_id] = worker  # again: an Abort during the call cleared it
                 self._view.record_routed(worker.worker_id, run.hashes)
                 return result
             except WorkerCallError as e:
+                mark_error(span, e)
                 if run.is_aborted:
                     return None
                 if e.is_request_error:
                     raise
                 log.warning("request %s: %s; retrying prefill elsewhere", run.request.request_id, e)
+                self.metrics.retries.labels("prefill").inc()
                 failed.add(e.worker_id)
                 if worker is not None:
                     self._abort_worker(worker, run.request.request_id)  # it may have pinned blocks
@@ -166,6 +253,7 @@ class Orchestrator:
                 run.reason += f"; prefill on {e.worker_id} failed ({e.code.name})"
             finally:
                 run.prefill_ms += (time.monotonic() - started) * 1e3
+                span.end()
         if self._enforce_disagg(run):
             raise RoutingError(f"every prefill attempt failed and enforce_disagg is set ({run.reason})")
         run.prefill_worker_id = None
@@ -181,19 +269,35 @@ class Orchestrator:
             worker = self._view.worker(run.decode_worker_id)
             run.num_decode_attempts += 1
             has_output = False
+            span, ctx = start_client_span("router.decode", {
+                "splitserve.worker": run.decode_worker_id, "splitserve.attempt": run.num_decode_attempts,
+                "splitserve.handoff": handoff is not None,
+            })  # fmt: skip
             try:
                 if worker is None:
                     raise WorkerCallError(run.decode_worker_id, "Decode", grpc.StatusCode.UNAVAILABLE, "left the topology")
                 run.touched[worker.worker_id] = worker
                 if handoff is None:
                     self._view.record_routed(worker.worker_id, run.hashes)
-                call = self._client.decode(
-                    worker, request, handoff, prefill_worker.address if handoff and prefill_worker else None,
-                    self._config.decode_timeout_s,
-                )  # fmt: skip
+                started = time.monotonic()
+                with attached(ctx):
+                    call = self._client.decode(
+                        worker, request, handoff, prefill_worker.address if handoff and prefill_worker else None,
+                        self._config.decode_timeout_s,
+                    )  # fmt: skip
                 needs_strip = handoff is not None
+                is_first = True
                 with self._view.load.track(worker.worker_id), contextlib.closing(_Closer(call.cancel)):
                     async for output in call:
+                        if is_first:
+                            is_first = False
+                            span.add_event(FIRST_MESSAGE)
+                            run.decode_first_chunk_ms = (time.monotonic() - started) * 1e3
+                            if prefill is None:
+                                run.first_token_in_hand_at = time.monotonic()
+                        if output.timing is not None:
+                            run.decode_timing = output.timing
+                            _transfer_attributes(span, output.timing)
                         tokens = output.tokens
                         if needs_strip and tokens.token_ids:
                             tokens, needs_strip = tokens.drop_first(), False  # the prefill's token, already sent
@@ -209,12 +313,14 @@ class Orchestrator:
                             yield OutputChunk(tokens)
                 raise WorkerCallError(worker.worker_id, "Decode", grpc.StatusCode.INTERNAL, "stream ended without a finish reason")
             except WorkerCallError as e:
+                mark_error(span, e)
                 if has_output or e.is_request_error:
                     raise
                 if run.is_aborted:
                     yield self._last(run, Tokens(), FinishReason.ABORT)
                     return
                 log.warning("request %s: %s; retrying decode elsewhere", request.request_id, e)
+                self.metrics.retries.labels("decode").inc()
                 failed.add(e.worker_id)
                 if worker is not None:
                     self._abort_worker(worker, request.request_id)
@@ -230,6 +336,8 @@ class Orchestrator:
                         return
                     request, handoff = self._continuation(run, prefill), None
                     run.reason += ", recomputing on the next decode worker"
+            finally:
+                span.end()
 
     # ---------------------------------------------------------------- helpers
     def _enforce_disagg(self, run: RequestRun) -> bool:
@@ -262,6 +370,18 @@ class Orchestrator:
         task = asyncio.create_task(call(), name=f"abort-{request_id}-{worker.worker_id}")
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+_REJECTION_REASONS = {OverloadedError: "overloaded", NoWorkersError: "no_workers", DisaggRequiredError: "disagg_required"}
+
+
+def _transfer_attributes(span, timing: DecodeTiming) -> None:
+    """The decode worker's measured KV transfer, on the router's Decode span too."""
+    if timing.transport:
+        span.set_attributes({
+            "splitserve.kv.bytes": timing.transfer_bytes, "splitserve.kv.seconds": timing.transfer_seconds,
+            "splitserve.kv.transport": timing.transport,
+        })  # fmt: skip
 
 
 @dataclass(frozen=True)

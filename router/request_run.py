@@ -10,14 +10,17 @@ from dataclasses import dataclass, field, replace
 import grpc
 
 from splitserve.router.messages import (
+    DecodeTiming,
     FinishReason,
     GenerateRequest,
     OutputChunk,
+    PrefillTiming,
     RoutingSummary,
     TimingSummary,
     Tokens,
     Usage,
 )
+from splitserve.router.timing import RouterTimes, phases
 from splitserve.router.workers import WorkerEndpoint
 
 LEASE_MARGIN_MS = 1000
@@ -48,6 +51,18 @@ class RequestRun:
     route_ms: float = 0.0
     prefill_ms: float = 0.0
     first_token_at: float | None = None
+    """time.monotonic() when the first token was handed to the caller (Router.Generate)."""
+    first_token_sent_at: float | None = None
+    """time.monotonic() when the caller came back for more after the first token (it was written)."""
+    first_token_in_hand_at: float | None = None
+    """time.monotonic() when the first token reached the router (prefill reply or first decode chunk)."""
+    prefill_call_ms: float = 0.0
+    """The Prefill call that answered."""
+    decode_call_started: float | None = None
+    decode_first_chunk_ms: float = 0.0
+    prefill_timing: PrefillTiming | None = None
+    decode_timing: DecodeTiming | None = None
+    trace_id: str = ""
 
     def last_chunk(self, tokens: Tokens, finish_reason: FinishReason, now: float) -> OutputChunk:
         """The final chunk: `tokens` plus usage, routing and (if asked) timing summaries."""
@@ -56,11 +71,33 @@ class RequestRun:
             self.prefill_worker_id, self.decode_worker_id, self.predicted_cached_tokens, self.reason,
             self.num_prefill_attempts, self.num_decode_attempts, self.num_transfer_blocks,
         )  # fmt: skip
-        timing = None
-        if self.request.return_timing:
-            first = self.first_token_at if self.first_token_at is not None else now
-            timing = TimingSummary(self.route_ms, self.prefill_ms, (first - self.started) * 1e3, (now - self.started) * 1e3)
+        timing = self.timing_summary(now) if self.request.return_timing else None
         return OutputChunk(tokens, finish_reason, usage, routing, timing)
+
+    @property
+    def ttft_s(self) -> float | None:
+        """Arrival to the first token sent (written to the caller, when known)."""
+        first = self.first_token_sent_at or self.first_token_at
+        return None if first is None else first - self.started
+
+    def timing_summary(self, now: float) -> TimingSummary:
+        ttft = self.ttft_s
+        ttft_ms = (now - self.started) * 1e3 if ttft is None else ttft * 1e3
+        relay_ms = 0.0
+        if self.first_token_in_hand_at is not None and self.first_token_sent_at is not None:
+            relay_ms = (self.first_token_sent_at - self.first_token_in_hand_at) * 1e3
+        times = RouterTimes(
+            self.route_ms, max(0.0, self.prefill_ms - self.prefill_call_ms), self.prefill_call_ms,
+            self.decode_first_chunk_ms, relay_ms,
+        )  # fmt: skip
+        d = self.decode_timing
+        prefill = self.prefill_timing if self.prefill_worker_id is not None else None
+        transfer_bytes = d.transfer_bytes if d is not None else 0
+        gbps = transfer_bytes / d.transfer_seconds / 1e9 if d is not None and d.transfer_seconds > 0 else 0.0
+        return TimingSummary(
+            self.route_ms, self.prefill_ms, ttft_ms, (now - self.started) * 1e3, phases(times, prefill, d),
+            self.trace_id, transfer_bytes, gbps,
+        )  # fmt: skip
 
 
 def is_handoff_reusable(code: grpc.StatusCode, lease_deadline_unix_ms: int, now_unix_ms: float) -> bool:

@@ -29,6 +29,7 @@ from splitserve.router.service import RouterService
 from splitserve.router.topology_watcher import TopologyWatcher
 from splitserve.router.worker_client import GrpcWorkerClient
 from splitserve.router.workers import WorkerEndpoint, routable_workers
+from splitserve.telemetry.metrics import MetricsServer, RouterMetrics, start_metrics_server
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class RouterServer:
         self.subscriber: KVEventSubscriber | None = None
         self.orchestrator: Orchestrator | None = None
         self.client = GrpcWorkerClient()
+        self.metrics = RouterMetrics()
+        self.metrics_server: MetricsServer | None = None
+        """Serving /metrics once started, when config.metrics_port is set."""
         self._static_workers = static_workers
         self._watcher: TopologyWatcher | None = None
         self._health = health.aio.HealthServicer()
@@ -73,7 +77,8 @@ class RouterServer:
             self.subscriber.start()
             self.view.uses_events = True
             self.view.on_workers_changed(self.subscriber.set_workers)
-        self.orchestrator = Orchestrator(self.config, self.view, self.client)
+        self.orchestrator = Orchestrator(self.config, self.view, self.client, self.metrics)
+        self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port, self.config.metrics_host)
         self.set_workers(workers if self._watcher is None else routable_workers(self._watcher.latest))
         server = grpc.aio.server()
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.orchestrator), server)
@@ -86,6 +91,8 @@ class RouterServer:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info("router serving on %s: %d workers, block size %d", self.address, len(self.view.workers), block_size)
+        if self.metrics_server is not None:
+            log.info("router metrics on http://%s/metrics", self.metrics_server.address)
         return self.address
 
     def set_workers(self, workers: Mapping[str, WorkerEndpoint]) -> None:
@@ -108,6 +115,8 @@ class RouterServer:
         if self.subscriber is not None:
             await self.subscriber.close()
         await self.client.close()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()
 
     def _on_topology(self, topology: Topology) -> None:
         self.set_workers(routable_workers(topology))

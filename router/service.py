@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf.message import DecodeError
+from opentelemetry import context as otel_context
 
 from splitserve.proto.v1 import (
     common_pb2,
@@ -33,17 +34,20 @@ from splitserve.router.messages import (
     BlocksRemoved,
     BlocksStored,
     DecodeOutput,
+    DecodeTiming,
     FinishReason,
     GenerateRequest,
     KVEvent,
     OutputChunk,
     PrefillResult,
+    PrefillTiming,
     SamplingParams,
     Tokens,
     WorkerCallError,
 )
 from splitserve.router.orchestrator import DuplicateRequestError, Orchestrator
 from splitserve.router.policy import DisaggRequiredError, NoWorkersError, OverloadedError, RoutingError
+from splitserve.telemetry.spans import FIRST_MESSAGE, detach_quietly, mark_error, start_server_span
 
 _FINISH_FROM_PROTO = {
     common_pb2.FINISH_REASON_UNSPECIFIED: None,
@@ -120,7 +124,9 @@ def chunk_to_proto(chunk: OutputChunk) -> router_pb2.GenerateChunk:
         t = chunk.timing
         message.timing.CopyFrom(router_pb2.TimingSummary(
             route_ms=t.route_ms, prefill_ms=t.prefill_ms, time_to_first_token_ms=t.time_to_first_token_ms,
-            total_ms=t.total_ms,
+            total_ms=t.total_ms, trace_id=t.trace_id, kv_transfer_bytes=t.kv_transfer_bytes,
+            kv_transfer_gbps=t.kv_transfer_gbps,
+            phases=[router_pb2.TimingPhase(name=p.name, ms=p.ms, is_ttft=p.is_ttft) for p in t.phases],
         ))  # fmt: skip
     return message
 
@@ -141,10 +147,14 @@ def prefill_result_from_proto(message: prefill_worker_pb2.PrefillResponse) -> Pr
     logprobs = (handoff.first_token_logprob,) if handoff.HasField("first_token_logprob") else ()
     tops = (tuple((t.token_id, t.logprob) for t in handoff.first_token_top_logprobs),)
     first = Tokens((handoff.first_token_id,), logprobs, tops if handoff.first_token_top_logprobs else ())
+    timing = None
+    if message.HasField("timing"):
+        t = message.timing
+        timing = PrefillTiming(t.handler_ms, t.queue_ms, t.compute_ms, t.publish_ms, t.num_chunks)
     return PrefillResult(
         first=first, num_cached_tokens=message.num_cached_tokens,
         finish_reason=_FINISH_FROM_PROTO.get(message.finish_reason), handoff=handoff.SerializeToString(),
-        lease_deadline_unix_ms=handoff.lease_deadline_unix_ms,
+        lease_deadline_unix_ms=handoff.lease_deadline_unix_ms, timing=timing,
     )  # fmt: skip
 
 
@@ -162,7 +172,14 @@ def decode_request_to_proto(
 
 def decode_output_from_proto(message: decode_worker_pb2.DecodeChunk) -> DecodeOutput:
     tokens = _tokens_from_proto(message.token_ids, message.logprobs, message.top_logprobs)
-    return DecodeOutput(tokens, _FINISH_FROM_PROTO.get(message.finish_reason), message.num_cached_tokens)
+    timing = None
+    if message.HasField("timing"):
+        t = message.timing
+        timing = DecodeTiming(
+            t.queue_ms, t.prefill_ms, t.transfer_ms, t.transfer_bytes, t.transfer_seconds, t.transport,
+            t.first_step_ms, t.first_chunk_ms, t.stream_ms,
+        )  # fmt: skip
+    return DecodeOutput(tokens, _FINISH_FROM_PROTO.get(message.finish_reason), message.num_cached_tokens, timing)
 
 
 def block_set_from_proto(message: prefill_worker_pb2.BlockSet) -> BlockSetSnapshot:
@@ -216,15 +233,31 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self._orchestrator = orchestrator
 
     async def Generate(self, request, context):
+        # The caller's traceparent (gateway, SDK or any client) makes this span its child.
+        span, span_context = start_server_span("router.generate", context.invocation_metadata(), {
+            "rpc.system": "grpc", "rpc.service": "splitserve.v1.Router", "rpc.method": "Generate",
+            "splitserve.request_id": request.request_id,
+        })  # fmt: skip
+        token = otel_context.attach(span_context)  # this task's: logs and child spans see it
+        is_first = True
         try:
-            generate_request = generate_request_from_proto(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        try:
-            async for chunk in self._orchestrator.generate(generate_request):
-                yield chunk_to_proto(chunk)
-        except (RoutingError, DuplicateRequestError, WorkerCallError) as e:
-            await context.abort(status_of(e), str(e))
+            try:
+                generate_request = generate_request_from_proto(request)
+            except ValueError as e:
+                mark_error(span, e)
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            try:
+                async for chunk in self._orchestrator.generate(generate_request):
+                    if is_first:
+                        is_first = False
+                        span.add_event(FIRST_MESSAGE)
+                    yield chunk_to_proto(chunk)
+            except (RoutingError, DuplicateRequestError, WorkerCallError) as e:
+                mark_error(span, e)
+                await context.abort(status_of(e), str(e))
+        finally:
+            span.end()
+            detach_quietly(token)
 
     async def Abort(self, request, context):
         was_found = await self._orchestrator.abort(request.request_id)

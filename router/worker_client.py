@@ -3,7 +3,8 @@
 One channel per worker address, opened on first use and closed when the
 worker leaves the topology (`set_workers`) or at `close()`. Every call has
 a deadline. gRPC failures become `WorkerCallError` so the orchestrator can
-retry without knowing about gRPC; protobuf conversion is in service.py.
+retry without knowing about gRPC; protobuf conversion is in service.py. Every call carries the
+current trace context (W3C traceparent) in its metadata.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from splitserve.router.service import (
     prefill_result_from_proto,
 )
 from splitserve.router.workers import WorkerEndpoint
+from splitserve.telemetry.propagation import inject_metadata
 
 
 def _error(worker: WorkerEndpoint, method: str, e: grpc.aio.AioRpcError) -> WorkerCallError:
@@ -74,7 +76,9 @@ class GrpcWorkerClient:
     ) -> PrefillResult:
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(worker.address))
         try:
-            reply = await stub.Prefill(prefill_request_to_proto(request, decode_worker_id), timeout=timeout_s)
+            reply = await stub.Prefill(
+                prefill_request_to_proto(request, decode_worker_id), timeout=timeout_s, metadata=inject_metadata()
+            )
         except grpc.aio.AioRpcError as e:
             raise _error(worker, "Prefill", e) from e
         try:
@@ -92,7 +96,7 @@ class GrpcWorkerClient:
     ) -> DecodeCall:
         stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(worker.address))
         message = decode_request_to_proto(request, handoff, prefill_address)
-        return DecodeCall(worker, stub.Decode(message, timeout=timeout_s))
+        return DecodeCall(worker, stub.Decode(message, timeout=timeout_s, metadata=inject_metadata()))
 
     async def abort(self, worker: WorkerEndpoint, request_id: str, timeout_s: float) -> bool:
         """Abort on the worker's service; False if it did not know the request."""
@@ -103,7 +107,9 @@ class GrpcWorkerClient:
             else decode_worker_pb2_grpc.DecodeWorkerStub(channel)
         )
         try:
-            reply = await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s)
+            reply = await stub.Abort(
+                common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s, metadata=inject_metadata()
+            )
         except grpc.aio.AioRpcError as e:
             raise _error(worker, "Abort", e) from e
         return reply.was_found

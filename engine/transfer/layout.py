@@ -220,3 +220,8 @@ class KVLayout:
             f"tp={self.tp} pp={self.pp} layers={self.layer_ranges} kv_heads={self.num_kv_heads} "
             f"head_dim={self.head_dim} block_size={self.block_size} dtype={self.dtype}"
         )
+
+
+def layout_text(layout: KVLayout) -> str:
+    """A short description for traces and logs, e.g. "tp=2,pp=1,bfloat16,block=16"."""
+    return f"tp={layout.tp},pp={layout.pp},{layout.dtype},block={layout.block_size}"

@@ -24,15 +24,39 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "num_cached_tokens")
+    __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "num_cached_tokens", "timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TokenTopLogprobs]
     finish_reason: _common_pb2.FinishReason
     num_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenTopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ...) -> None: ...
+    timing: DecodeTiming
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenTopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ...) -> None: ...
+
+class DecodeTiming(_message.Message):
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "transfer_seconds", "transport", "first_step_ms", "first_chunk_ms", "stream_ms")
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
+    STREAM_MS_FIELD_NUMBER: _ClassVar[int]
+    queue_ms: float
+    prefill_ms: float
+    transfer_ms: float
+    transfer_bytes: int
+    transfer_seconds: float
+    transport: str
+    first_step_ms: float
+    first_chunk_ms: float
+    stream_ms: float
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., first_step_ms: _Optional[float] = ..., first_chunk_ms: _Optional[float] = ..., stream_ms: _Optional[float] = ...) -> None: ...

@@ -26,7 +26,7 @@ from splitserve.proto.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 from splitserve.proto.v1 import handoff_pb2 as splitserve_dot_v1_dot_handoff__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/prefill_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\"\x93\x01\n\x0fPrefillResponse\x12\x31\n\x07handoff\x18\x01 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0fReleaseResponse\x12\x12\n\nwas_pinned\x18\x01 \x01(\x08\"\x14\n\x12GetBlockSetRequest\"c\n\x08\x42lockSet\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x65vent_sequence\x18\x03 \x01(\x03\x12\x15\n\rblock_digests\x18\x04 \x03(\x0c\"\xce\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\ndst_layout\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\tgroup_key\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x05\"M\n\x0ePushKVResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x14\n\x0cis_new_group\x18\x03 \x01(\x08\x32\xf9\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12\x45\n\x06PushKV\x12\x1c.splitserve.v1.PushKVRequest\x1a\x1d.splitserve.v1.PushKVResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/prefill_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\"\x89\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\"\xc1\x01\n\x0fPrefillResponse\x12\x31\n\x07handoff\x18\x01 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12,\n\x06timing\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.PrefillTiming\"q\n\rPrefillTiming\x12\x12\n\nhandler_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\npublish_ms\x18\x04 \x01(\x01\x12\x12\n\nnum_chunks\x18\x05 \x01(\x05\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0fReleaseResponse\x12\x12\n\nwas_pinned\x18\x01 \x01(\x08\"\x14\n\x12GetBlockSetRequest\"c\n\x08\x42lockSet\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x65vent_sequence\x18\x03 \x01(\x03\x12\x15\n\rblock_digests\x18\x04 \x03(\x0c\"\xce\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\ndst_layout\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\tgroup_key\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x05\"M\n\x0ePushKVResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x14\n\x0cis_new_group\x18\x03 \x01(\x08\x32\xf9\x02\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12\x45\n\x06PushKV\x12\x1c.splitserve.v1.PushKVRequest\x1a\x1d.splitserve.v1.PushKVResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,19 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=111
   _globals['_PREFILLREQUEST']._serialized_end=248
   _globals['_PREFILLRESPONSE']._serialized_start=251
-  _globals['_PREFILLRESPONSE']._serialized_end=398
-  _globals['_RELEASEREQUEST']._serialized_start=400
-  _globals['_RELEASEREQUEST']._serialized_end=436
-  _globals['_RELEASERESPONSE']._serialized_start=438
-  _globals['_RELEASERESPONSE']._serialized_end=475
-  _globals['_GETBLOCKSETREQUEST']._serialized_start=477
-  _globals['_GETBLOCKSETREQUEST']._serialized_end=497
-  _globals['_BLOCKSET']._serialized_start=499
-  _globals['_BLOCKSET']._serialized_end=598
-  _globals['_PUSHKVREQUEST']._serialized_start=601
-  _globals['_PUSHKVREQUEST']._serialized_end=807
-  _globals['_PUSHKVRESPONSE']._serialized_start=809
-  _globals['_PUSHKVRESPONSE']._serialized_end=886
-  _globals['_PREFILLWORKER']._serialized_start=889
-  _globals['_PREFILLWORKER']._serialized_end=1266
+  _globals['_PREFILLRESPONSE']._serialized_end=444
+  _globals['_PREFILLTIMING']._serialized_start=446
+  _globals['_PREFILLTIMING']._serialized_end=559
+  _globals['_RELEASEREQUEST']._serialized_start=561
+  _globals['_RELEASEREQUEST']._serialized_end=597
+  _globals['_RELEASERESPONSE']._serialized_start=599
+  _globals['_RELEASERESPONSE']._serialized_end=636
+  _globals['_GETBLOCKSETREQUEST']._serialized_start=638
+  _globals['_GETBLOCKSETREQUEST']._serialized_end=658
+  _globals['_BLOCKSET']._serialized_start=660
+  _globals['_BLOCKSET']._serialized_end=759
+  _globals['_PUSHKVREQUEST']._serialized_start=762
+  _globals['_PUSHKVREQUEST']._serialized_end=968
+  _globals['_PUSHKVRESPONSE']._serialized_start=970
+  _globals['_PUSHKVRESPONSE']._serialized_end=1047
+  _globals['_PREFILLWORKER']._serialized_start=1050
+  _globals['_PREFILLWORKER']._serialized_end=1427
 # @@protoc_insertion_point(module_scope)

@@ -21,14 +21,30 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("handoff", "num_cached_tokens", "finish_reason")
+    __slots__ = ("handoff", "num_cached_tokens", "finish_reason", "timing")
     HANDOFF_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     handoff: _handoff_pb2.HandoffDescriptor
     num_cached_tokens: int
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    timing: PrefillTiming
+    def __init__(self, handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
+
+class PrefillTiming(_message.Message):
+    __slots__ = ("handler_ms", "queue_ms", "compute_ms", "publish_ms", "num_chunks")
+    HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISH_MS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    handler_ms: float
+    queue_ms: float
+    compute_ms: float
+    publish_ms: float
+    num_chunks: int
+    def __init__(self, handler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., publish_ms: _Optional[float] = ..., num_chunks: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

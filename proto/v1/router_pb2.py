@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.proto.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x15\n\rreturn_timing\x18\x04 \x01(\x08\x12\x1b\n\x0e\x65nforce_disagg\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_enforce_disagg\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xce\x01\n\x0eRoutingSummary\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14num_prefill_attempts\x18\x05 \x01(\x05\x12\x1b\n\x13num_decode_attempts\x18\x06 \x01(\x05\x12\x1b\n\x13num_transfer_blocks\x18\x07 \x01(\x05\"g\n\rTimingSummary\x12\x10\n\x08route_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\"\xa2\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12.\n\x07routing\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.RoutingSummary\x12,\n\x06timing\x18\x07 \x01(\x0b\x32\x1c.splitserve.v1.TimingSummary2\x98\x01\n\x06Router\x12J\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1c.splitserve.v1.GenerateChunk0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/router.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\xb7\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x15\n\rreturn_timing\x18\x04 \x01(\x08\x12\x1b\n\x0e\x65nforce_disagg\x18\x05 \x01(\x08H\x00\x88\x01\x01\x42\x11\n\x0f_enforce_disagg\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x15\n\rcached_tokens\x18\x03 \x01(\x05\"\xce\x01\n\x0eRoutingSummary\x12\x19\n\x11prefill_worker_id\x18\x01 \x01(\t\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x02 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x03 \x01(\x05\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x1c\n\x14num_prefill_attempts\x18\x05 \x01(\x05\x12\x1b\n\x13num_decode_attempts\x18\x06 \x01(\x05\x12\x1b\n\x13num_transfer_blocks\x18\x07 \x01(\x05\"\xda\x01\n\rTimingSummary\x12\x10\n\x08route_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x1e\n\x16time_to_first_token_ms\x18\x03 \x01(\x01\x12\x10\n\x08total_ms\x18\x04 \x01(\x01\x12*\n\x06phases\x18\x05 \x03(\x0b\x32\x1a.splitserve.v1.TimingPhase\x12\x10\n\x08trace_id\x18\x06 \x01(\t\x12\x19\n\x11kv_transfer_bytes\x18\x07 \x01(\x03\x12\x18\n\x10kv_transfer_gbps\x18\x08 \x01(\x01\"8\n\x0bTimingPhase\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\n\n\x02ms\x18\x02 \x01(\x01\x12\x0f\n\x07is_ttft\x18\x03 \x01(\x08\"\xa2\x02\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12.\n\x07routing\x18\x06 \x01(\x0b\x32\x1d.splitserve.v1.RoutingSummary\x12,\n\x06timing\x18\x07 \x01(\x0b\x32\x1c.splitserve.v1.TimingSummary2\x98\x01\n\x06Router\x12J\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1c.splitserve.v1.GenerateChunk0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,10 +38,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_USAGE']._serialized_end=339
   _globals['_ROUTINGSUMMARY']._serialized_start=342
   _globals['_ROUTINGSUMMARY']._serialized_end=548
-  _globals['_TIMINGSUMMARY']._serialized_start=550
-  _globals['_TIMINGSUMMARY']._serialized_end=653
-  _globals['_GENERATECHUNK']._serialized_start=656
-  _globals['_GENERATECHUNK']._serialized_end=946
-  _globals['_ROUTER']._serialized_start=949
-  _globals['_ROUTER']._serialized_end=1101
+  _globals['_TIMINGSUMMARY']._serialized_start=551
+  _globals['_TIMINGSUMMARY']._serialized_end=769
+  _globals['_TIMINGPHASE']._serialized_start=771
+  _globals['_TIMINGPHASE']._serialized_end=827
+  _globals['_GENERATECHUNK']._serialized_start=830
+  _globals['_GENERATECHUNK']._serialized_end=1120
+  _globals['_ROUTER']._serialized_start=1123
+  _globals['_ROUTER']._serialized_end=1275
 # @@protoc_insertion_point(module_scope)

@@ -50,16 +50,34 @@ class RoutingSummary(_message.Message):
     def __init__(self, prefill_worker_id: _Optional[str] = ..., decode_worker_id: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., reason: _Optional[str] = ..., num_prefill_attempts: _Optional[int] = ..., num_decode_attempts: _Optional[int] = ..., num_transfer_blocks: _Optional[int] = ...) -> None: ...
 
 class TimingSummary(_message.Message):
-    __slots__ = ("route_ms", "prefill_ms", "time_to_first_token_ms", "total_ms")
+    __slots__ = ("route_ms", "prefill_ms", "time_to_first_token_ms", "total_ms", "phases", "trace_id", "kv_transfer_bytes", "kv_transfer_gbps")
     ROUTE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_MS_FIELD_NUMBER: _ClassVar[int]
+    PHASES_FIELD_NUMBER: _ClassVar[int]
+    TRACE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_GBPS_FIELD_NUMBER: _ClassVar[int]
     route_ms: float
     prefill_ms: float
     time_to_first_token_ms: float
     total_ms: float
-    def __init__(self, route_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ...) -> None: ...
+    phases: _containers.RepeatedCompositeFieldContainer[TimingPhase]
+    trace_id: str
+    kv_transfer_bytes: int
+    kv_transfer_gbps: float
+    def __init__(self, route_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., time_to_first_token_ms: _Optional[float] = ..., total_ms: _Optional[float] = ..., phases: _Optional[_Iterable[_Union[TimingPhase, _Mapping]]] = ..., trace_id: _Optional[str] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_gbps: _Optional[float] = ...) -> None: ...
+
+class TimingPhase(_message.Message):
+    __slots__ = ("name", "ms", "is_ttft")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MS_FIELD_NUMBER: _ClassVar[int]
+    IS_TTFT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    ms: float
+    is_ttft: bool
+    def __init__(self, name: _Optional[str] = ..., ms: _Optional[float] = ..., is_ttft: _Optional[bool] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "usage", "routing", "timing")

@@ -20,7 +20,7 @@ example:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    sub = parser.add_subparsers(dest="action", metavar="ACTION", required=True, help="report: TTFT breakdown of exported spans")
     report = sub.add_parser("report", help="TTFT breakdown table and PNG waterfall from exported spans")
     report.add_argument("files", nargs="+", metavar="FILE", help="span export files or directories")
     report.add_argument("--out", default="ttft-waterfall.png", metavar="PNG",
@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     breakdowns = {tid: ttft_breakdown(spans) for tid, spans in traces.items() if spans}
-    breakdowns = {tid: b for tid, b in breakdowns.items() if b.ttft_ms > 0}
+    breakdowns = {tid: b for tid, b in breakdowns.items() if b.ttft_ms > 0 and b.phases}  # requests, not /health
     if not breakdowns:
         print(f"error: no spans found in {', '.join(args.files)}", file=sys.stderr)
         return 1

@@ -87,6 +87,10 @@ def _otlp_value(v: dict):
     return json.dumps(v)
 
 
+_OTLP_KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER",
+               "SPAN_KIND_INTERNAL": "INTERNAL", "SPAN_KIND_SERVER": "SERVER", "SPAN_KIND_CLIENT": "CLIENT"}  # fmt: skip
+
+
 def _from_otlp(d: dict) -> list[SpanRecord]:
     """An OTLP/JSON export (`{"resourceSpans": [...]}`, e.g. a collector's file exporter)."""
     out = []
@@ -99,7 +103,8 @@ def _from_otlp(d: dict) -> list[SpanRecord]:
                     events.setdefault(e["name"], int(e.get("timeUnixNano", 0)))
                 out.append(SpanRecord(
                     trace_id=_hex(s["traceId"]), span_id=_hex(s["spanId"]), parent_id=_hex(s.get("parentSpanId")) or None,
-                    name=s["name"], kind=str(s.get("kind", "")), start_ns=int(s["startTimeUnixNano"]),
+                    name=s["name"], kind=_OTLP_KINDS.get(s.get("kind"), str(s.get("kind", ""))),
+                    start_ns=int(s["startTimeUnixNano"]),
                     end_ns=int(s["endTimeUnixNano"]), service=str(resource.get("service.name", "")),
                     attributes={a["key"]: _otlp_value(a["value"]) for a in s.get("attributes", ())}, events=events,
                     is_error=(s.get("status") or {}).get("code") in (2, "STATUS_CODE_ERROR"),
@@ -286,8 +291,8 @@ def render_waterfall(spans: list[SpanRecord], breakdown: Breakdown, out: str | P
     services = sorted({s.service for s in spans})
     palette = plt.get_cmap("tab10")
     colors = {name: palette(i % 10) for i, name in enumerate(services)}
-    height = max(4.0, 0.32 * len(ordered) + 2.6)
-    fig, (ax, bx) = plt.subplots(2, 1, figsize=(13, height), gridspec_kw={"height_ratios": [max(3, len(ordered)), 2.2]})
+    height = max(5.0, 0.32 * len(ordered) + 3.6)
+    fig, (ax, bx) = plt.subplots(2, 1, figsize=(13, height), gridspec_kw={"height_ratios": [max(3, len(ordered)), 1.6]})
     for row, s in enumerate(ordered):
         start, width = (s.start_ns - t0) / 1e6, max(s.duration_ms, 0.05)
         is_phase = bool(s.attributes.get(TTFT_PHASE))
@@ -298,29 +303,32 @@ def render_waterfall(spans: list[SpanRecord], breakdown: Breakdown, out: str | P
                 fontweight="bold" if is_phase else "normal")  # fmt: skip
         ax.text(start + width, row, f" {s.duration_ms:.1f} ms", va="center", fontsize=7)
     ax.axvline(breakdown.ttft_ms, color="crimson", linestyle="--", linewidth=1.2)
-    ax.text(breakdown.ttft_ms, -0.9, f" TTFT {breakdown.ttft_ms:.1f} ms", color="crimson", fontsize=9, va="bottom")
+    ax.text(breakdown.ttft_ms, len(ordered) - 0.6, f" TTFT {breakdown.ttft_ms:.1f} ms", color="crimson", fontsize=9,
+            va="bottom")  # fmt: skip
     ax.set_yticks([])
     ax.set_ylim(len(ordered) - 0.5, -1.2)
     ax.set_xlabel("ms since the request arrived")
     ax.set_title(f"trace {breakdown.trace_id} — spans (bold outline: on the path to the first token)", fontsize=10)
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[n]) for n in services]
-    ax.legend(handles, services, loc="lower right", fontsize=8)
+    ax.legend(handles, services, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize=8, frameon=False)
 
     left = 0.0
     phase_palette = plt.get_cmap("tab20")
     parts = [(p.name, p.ms) for p in breakdown.phases] + [("unaccounted", max(0.0, breakdown.unaccounted_ms))]
+    bars = []
     for i, (name, ms) in enumerate(parts):
         color = "lightgrey" if name == "unaccounted" else phase_palette(i % 20)
-        bx.barh(0, ms, left=left, color=color, edgecolor="white")
-        if ms > 0.04 * breakdown.ttft_ms:
+        bars.append(bx.barh(0, ms, left=left, color=color, edgecolor="white", label=f"{name} {ms:.1f} ms"))
+        if ms > 0.12 * breakdown.ttft_ms:
             bx.text(left + ms / 2, 0, f"{name}\n{ms:.1f} ms", ha="center", va="center", fontsize=7)
         left += ms
+    bx.legend(loc="upper center", bbox_to_anchor=(0.5, -0.85), ncol=4, fontsize=7, frameon=False)
     bx.set_xlim(0, max(left, breakdown.ttft_ms) * 1.01)
     bx.set_yticks([])
-    bx.set_xlabel("ms")
+    bx.set_xlabel("ms since the request arrived", fontsize=8)
     bx.set_title(f"TTFT breakdown: phases sum to {breakdown.accounted_ms:.1f} of {breakdown.ttft_ms:.1f} ms "
                  f"({100 * breakdown.accounted_ms / breakdown.ttft_ms:.1f}%)", fontsize=10)  # fmt: skip
-    fig.subplots_adjust(left=0.24, right=0.97, top=0.95, bottom=0.08, hspace=0.45)
+    fig.subplots_adjust(left=0.2, right=0.83, top=0.95, bottom=0.14, hspace=0.35)
     out = Path(out)
     fig.savefig(out, dpi=110)
     plt.close(fig)
