@@ -37,7 +37,7 @@ policies (--policy; names from the reference design's coordinator):
 
 example:
   splitserve router --control-plane 127.0.0.1:50051 --listen 127.0.0.1:50061 \\
-      --policy scored --routing-alpha 0.5 --disagg-min-uncached-tokens 64"""
+      --policy scored --routing-alpha 0.01 --disagg-min-uncached-tokens 64"""
 
 
 def _env(name: str, default: str | None = None) -> str | None:
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env SPLITSERVE_ROUTER_BLOCK_SIZE; default: the workers' own)")
     add("--policy", choices=POLICIES, default=_env("POLICY", "scored"),
         help="prefill-worker policy (env SPLITSERVE_ROUTER_POLICY; default %(default)s)")
-    add("--routing-alpha", type=float, default=float(_env("ROUTING_ALPHA", "0.5")), metavar="A",
+    add("--routing-alpha", type=float, default=float(_env("ROUTING_ALPHA", "0.01")), metavar="A",
         help="scored policy: cache affinity (1) against load (0) (env SPLITSERVE_ROUTER_ROUTING_ALPHA; default %(default)s)")
     add("--transfer-weight", type=float, default=float(_env("TRANSFER_WEIGHT", "0.5")), metavar="W",
         help="decode choice: weight of handoff bytes against load, in [0, 1] "

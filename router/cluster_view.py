@@ -14,6 +14,7 @@ later is not routed to (logged as an error).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -122,6 +123,7 @@ class ClusterView:
         if self.routed is not None:
             self.routed.expire(self._clock())
         depths = self.index.lookup(block_hashes)
+        first = block_hashes[0] if block_hashes else b""
         pools: dict[Role, list[WorkerState]] = {Role.PREFILL: [], Role.DECODE: []}
         for worker_id, worker in self._workers.items():
             if worker.is_draining or worker_id in exclude:
@@ -129,7 +131,7 @@ class ClusterView:
             pools[worker.role].append(
                 WorkerState(
                     worker_id, depths.get(worker_id, 0), self.load.num_running(worker_id),
-                    self.max_running_per_worker, self.load.kv_usage(worker_id),
+                    self.max_running_per_worker, self.load.kv_usage(worker_id), _tiebreak(first, worker_id),
                 )  # fmt: skip
             )
         return Snapshot(prompt_len, self.block_size, tuple(pools[Role.PREFILL]), tuple(pools[Role.DECODE]))
@@ -142,3 +144,10 @@ class ClusterView:
         if self.uses_events and worker.kv_events_endpoint is not None:
             return
         self.routed.record(worker_id, block_hashes, self._clock())
+
+
+def _tiebreak(first_block: bytes | int, worker_id: str) -> int:
+    if first_block == b"":
+        return 0
+    key = first_block if isinstance(first_block, bytes) else str(first_block).encode()
+    return int.from_bytes(hashlib.blake2b(key + b"|" + worker_id.encode(), digest_size=8).digest(), "little")

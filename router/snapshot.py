@@ -29,6 +29,11 @@ class WorkerState:
     """Requests it may run at once (router config); at this count it is full."""
     kv_usage: float | None = None
     """Fraction of its KV blocks in use, as last reported; None = no report."""
+    tiebreak: int = 0
+    """Breaks ties between equally loaded workers before the worker id: a hash of the
+    request's first block and the worker, so new prefixes spread over idle workers
+    (always the lowest id would pile them on one) while a repeated prefix still
+    picks the same worker. 0 everywhere = ties by id."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:

@@ -9,7 +9,7 @@ from splitserve.control_plane.shard_spec import Role
 from splitserve.engine.block_hash import hash_blocks
 from splitserve.proto.v1 import common_pb2, decode_worker_pb2, handoff_pb2, prefill_worker_pb2, router_pb2
 from splitserve.router.cli import DESCRIPTION, EPILOG, build_parser, config_from_args
-from splitserve.router.cluster_view import ClusterView
+from splitserve.router.cluster_view import ClusterView, _tiebreak
 from splitserve.router.config import RouterConfig
 from splitserve.router.messages import GenerateRequest, SamplingParams, Tokens
 from splitserve.router.request_run import continuation, is_handoff_reusable
@@ -67,8 +67,9 @@ def test_snapshot_skips_draining_and_mismatched_workers_and_counts_load():
     view.record_routed("p0", hashes[:2])  # approximate mode: what was routed counts as cached
     with view.load.track("d0"), view.load.track("d0"):
         snapshot = view.snapshot(hashes, 12)
-    assert snapshot.prefill == (WorkerState("p0", 2, 0, 4),)
-    assert snapshot.decode == (WorkerState("d0", 0, 2, 4),)
+    assert snapshot.prefill == (WorkerState("p0", 2, 0, 4, tiebreak=_tiebreak(hashes[0], "p0")),)
+    assert snapshot.decode == (WorkerState("d0", 0, 2, 4, tiebreak=_tiebreak(hashes[0], "d0")),)
+    assert _tiebreak(hashes[0], "p0") != _tiebreak(hashes[0], "d0") != 0
     assert view.snapshot(hashes, 12, exclude=frozenset({"p0"})).prefill == ()
     view.set_workers({"d0": endpoint("d0", Role.DECODE)})
     assert view.index.worker_ids == ()

@@ -9,7 +9,7 @@ from splitserve.control_plane.shard_spec import Role
 from splitserve.engine.block_hash import hash_blocks
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.kv_events import KVEventPublisher
-from splitserve.router.cluster_view import ClusterView
+from splitserve.router.cluster_view import ClusterView, _tiebreak
 from splitserve.router.kv_events import KVEventSubscriber
 from splitserve.router.policy import PolicyConfig, route
 from splitserve.router.snapshot import Snapshot, WorkerState
@@ -73,8 +73,8 @@ async def test_64_workers_index_and_decisions_match_ground_truth():
                 assert view.index.lookup(hashes) == truth
                 expected = Snapshot(
                     len(prompt), BS,
-                    prefill=tuple(WorkerState(i, truth.get(i, 0)) for i in ids if i.startswith("p")),
-                    decode=tuple(WorkerState(i, truth.get(i, 0)) for i in ids if i.startswith("d")),
+                    prefill=tuple(WorkerState(i, truth.get(i, 0), tiebreak=_tiebreak(hashes[0], i)) for i in ids if i.startswith("p")),
+                    decode=tuple(WorkerState(i, truth.get(i, 0), tiebreak=_tiebreak(hashes[0], i)) for i in ids if i.startswith("d")),
                 )  # fmt: skip
                 assert route(view.snapshot(hashes, len(prompt)), config) == route(expected, config)
             assert all(subscriber.stats(i).num_gaps == 0 for i in ids)
