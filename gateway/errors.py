@@ -38,7 +38,11 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        headers = None
+        if self.status == 401:
+            headers = {"WWW-Authenticate": "Bearer"}
+        elif self.status in (429, 503):  # the cluster is full or starting: say when to come back
+            headers = {"Retry-After": "1"}
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(env SPLITSERVE_ROUTER_BLOCK_SIZE; default: the workers' own)")
     add("--policy", choices=POLICIES, default=_env("POLICY", "scored"),
         help="prefill-worker policy (env SPLITSERVE_ROUTER_POLICY; default %(default)s)")
+    add("--ttft-slo-s", type=float, default=float(_env("TTFT_SLO_S", "0")), metavar="SECONDS",
+        help="admission: refuse (RESOURCE_EXHAUSTED; HTTP 429) requests whose predicted time to first token "
+        "exceeds this (env SPLITSERVE_ROUTER_TTFT_SLO_S; default 0 = off)")
+    add("--prefill-tokens-per-s", type=float, default=float(_env("PREFILL_TOKENS_PER_S", "20000")), metavar="N",
+        help="admission model: prompt tokens one prefill worker computes per second (default %(default)s)")
     add("--routing-alpha", type=float, default=float(_env("ROUTING_ALPHA", "0.01")), metavar="A",
         help="scored policy: cache affinity (1) against load (0) (env SPLITSERVE_ROUTER_ROUTING_ALPHA; default %(default)s)")
     add("--transfer-weight", type=float, default=float(_env("TRANSFER_WEIGHT", "0.5")), metavar="W",
@@ -103,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         control_planes=tuple(a.strip() for a in control_planes if a.strip()), listen=args.listen,
         block_size=None if args.block_size is None else int(args.block_size), policy=policy,
         kv_events=args.kv_events, approximate_ttl_s=args.approximate_ttl, max_in_flight=args.max_in_flight,
+        ttft_slo_s=args.ttft_slo_s, prefill_tokens_per_s=args.prefill_tokens_per_s,
         max_running_per_worker=args.max_running_per_worker, topology_timeout_s=args.topology_timeout,
         grace_period_s=args.grace_period, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
     )  # fmt: skip

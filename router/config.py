@@ -36,6 +36,12 @@ class RouterConfig:
     """Approximate mode, and workers that publish no events: how long a routed prompt counts as cached."""
     max_in_flight: int = 1024
     """Requests this router runs at once; more are refused with RESOURCE_EXHAUSTED."""
+    ttft_slo_s: float = 0.0
+    """Admission: refuse (RESOURCE_EXHAUSTED) a request whose predicted time to first token
+    exceeds this many seconds; 0 = off. The prediction is the prompt tokens waiting for their
+    first token, this one included, over `prefill_tokens_per_s` times the prefill workers."""
+    prefill_tokens_per_s: float = 20000.0
+    """Admission model: prompt tokens one prefill worker computes per second."""
     max_running_per_worker: int = 256
     """Requests one worker may have from this router; a worker at the limit is not picked."""
     max_prefill_attempts: int = 3
@@ -69,6 +75,9 @@ class RouterConfig:
             raise ValueError(f"policy must be a PolicyConfig, got {self.policy!r}")
         for name in ("max_in_flight", "max_running_per_worker", "max_prefill_attempts", "max_decode_attempts"):
             _check_positive(name, getattr(self, name))
+        if not isinstance(self.ttft_slo_s, int | float) or isinstance(self.ttft_slo_s, bool) or self.ttft_slo_s < 0:
+            raise ValueError(f"ttft_slo_s must be a number >= 0, got {self.ttft_slo_s!r}")
+        _check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s, float)
         for name in ("approximate_ttl_s", "prefill_timeout_s", "decode_timeout_s", "control_timeout_s", "topology_timeout_s"):
             _check_positive(name, getattr(self, name), float)
         if isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:

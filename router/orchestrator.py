@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import grpc
 from opentelemetry import trace
 
+from splitserve.control_plane.shard_spec import Role
 from splitserve.engine.block_hash import hash_blocks
 from splitserve.router.cluster_view import ClusterView
 from splitserve.router.config import RouterConfig
@@ -88,6 +89,8 @@ class Orchestrator:
         self._client = client
         self.metrics = metrics or RouterMetrics()
         self._running: dict[str, RequestRun] = {}
+        self._pending_prefill_tokens = 0
+        """Prompt tokens of running requests that have no first token yet (admission model)."""
         self._background: set[asyncio.Task] = set()
 
     @property
@@ -103,6 +106,7 @@ class Orchestrator:
         if len(self._running) >= self._config.max_in_flight:
             m.rejections.labels("max_in_flight").inc()
             raise OverloadedError(f"{len(self._running)} requests in flight (max_in_flight={self._config.max_in_flight})")
+        self._admit_by_ttft(len(request.token_ids))
         span = trace.get_current_span()  # Router.Generate's server span (service.py)
         run = self._running[request.request_id] = RequestRun(request, time.monotonic(), trace_id=trace_id_hex(span))
         m.in_flight.inc()
@@ -111,6 +115,8 @@ class Orchestrator:
             shown = f": {list(request.token_ids)}" if may_log_prompts() else ""
             log.debug("request %s: %d prompt tokens%s", request.request_id, len(request.token_ids), shown)
         outcome, last_token_at = "cancelled", None
+        self._pending_prefill_tokens += len(request.token_ids)
+        prefill_pending = True
         try:
             async for chunk in self._generate(run):
                 if chunk.finish_reason is not None:
@@ -120,6 +126,8 @@ class Orchestrator:
                 now = time.monotonic()
                 if num_tokens and run.first_token_at is None:
                     run.first_token_at = now
+                    self._pending_prefill_tokens -= len(request.token_ids)
+                    prefill_pending = False
                     if run.first_token_in_hand_at is not None:  # the relay: reply in hand -> token out
                         emit_span("router.first_token", mono_to_unix_ns(run.first_token_in_hand_at),
                                   mono_to_unix_ns(now), is_ttft_phase=True)  # fmt: skip
@@ -139,6 +147,8 @@ class Orchestrator:
             span.record_exception(e)
             raise
         finally:
+            if prefill_pending:
+                self._pending_prefill_tokens -= len(request.token_ids)
             del self._running[request.request_id]
             if not run.is_finished or run.is_aborted:  # cancelled, failed or abandoned: free what workers hold
                 self._abort_workers(run)
@@ -156,6 +166,22 @@ class Orchestrator:
                 "splitserve.num_prefill_attempts": run.num_prefill_attempts,
                 "splitserve.num_decode_attempts": run.num_decode_attempts,
             })  # fmt: skip
+
+    def _admit_by_ttft(self, num_prompt_tokens: int) -> None:
+        """Refuse early a request that cannot meet the TTFT SLO (see RouterConfig.ttft_slo_s)."""
+        slo = self._config.ttft_slo_s
+        if not slo:
+            return
+        roles = [w.role for w in self._view.workers.values()]
+        num_prefill = sum(1 for r in roles if r is Role.PREFILL) or sum(1 for r in roles if r is Role.DECODE)
+        queued = self._pending_prefill_tokens + num_prompt_tokens
+        predicted = queued / (self._config.prefill_tokens_per_s * max(1, num_prefill))
+        if predicted > slo:
+            self.metrics.rejections.labels("ttft_slo").inc()
+            raise OverloadedError(
+                f"predicted time to first token {predicted:.2f} s exceeds the TTFT SLO of {slo:g} s "
+                f"({queued} prompt tokens waiting on {num_prefill} prefill worker(s)); retry later"
+            )
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request on its workers; its stream ends with FinishReason.ABORT."""

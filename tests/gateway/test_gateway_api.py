@@ -195,8 +195,9 @@ def test_openai_fields_become_sampling_params(gateway, router):
 )
 def test_router_errors_become_http_errors(gateway, prompt, status, kind):
     for stream in (False, True):
-        code, body, _ = post(gateway, "/v1/completions", {"prompt": prompt, "stream": stream})
+        code, body, headers = post(gateway, "/v1/completions", {"prompt": prompt, "stream": stream})
         assert code == status and body["error"]["type"] == kind, body
+        assert headers.get("retry-after") == "1"  # overload and unavailability say when to retry
 
 
 def test_request_id_header_and_x_request_id(gateway):

@@ -235,3 +235,17 @@ async def collect_rest(call) -> list[router_pb2.GenerateChunk]:
     while (chunk := await call.read()) is not grpc.aio.EOF:
         chunks.append(chunk)
     return chunks
+
+
+async def test_ttft_slo_admission_refuses_what_cannot_meet_it():
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    # 12 prompt tokens at 10 tokens/s on one prefill worker: predicted TTFT 1.2 s.
+    async with serving(p0, d0) as endpoints, router(endpoints, ttft_slo_s=1.0, prefill_tokens_per_s=10.0) as (_, stub):
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await collect(stub, request("slow"))
+        assert error.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "predicted time to first token 1.20 s exceeds the TTFT SLO of 1 s" in error.value.details()
+        assert not p0.requests  # refused before any work
+    async with serving(p0, d0) as endpoints, router(endpoints, ttft_slo_s=1.0, prefill_tokens_per_s=100.0) as (_, stub):
+        chunks = await collect(stub, request("fast"))
+        assert chunks[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
