@@ -13,7 +13,7 @@ from tests.fixtures.models import build_hf_checkpoint, build_tokenizer
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
 
-ASYNC_TEST_TIMEOUT_S = 60
+ASYNC_TEST_TIMEOUT_S = 120
 
 
 @pytest.hookimpl(tryfirst=True)
