@@ -10,7 +10,6 @@ import contextlib
 import dataclasses
 import logging
 import signal
-import socket
 import sys
 import time
 from collections.abc import Callable
@@ -40,8 +39,18 @@ async def serve_worker(
 ) -> None:
     """Run until SIGTERM/SIGINT (or `stop` is set). Prints `READY <address>` once serving.
     `metrics_port` (0 = off) serves the worker's Prometheus /metrics over HTTP."""
-    host, _, port_text = listen.rpartition(":")
-    address = f"{host}:{int(port_text) or _free_port(host)}"
+    # Bind first (port 0: the kernel picks a free one, no race with other processes), so
+    # the address registered with the control plane is one this process already holds.
+    # No SO_REUSEPORT: a second worker on the same port must fail loudly, not share it.
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    host = listen.rpartition(":")[0]
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError:
+        port = 0
+    if port == 0:
+        raise OSError(f"cannot listen on {listen!r}")
+    address = f"{host}:{port}"
     registration = publisher = None
     if etcd:
         from splitserve.control_plane.worker_registration import default_worker_id
@@ -62,14 +71,9 @@ async def serve_worker(
         if publisher is not None:
             publisher.close()
         raise
-    # No SO_REUSEPORT: a second worker on the same port must fail loudly, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     service_name = add_servicer(server, group)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    if server.add_insecure_port(address) == 0:
-        group.close()
-        raise OSError(f"cannot listen on {address!r}")
     try:
         metrics_server = start_metrics_server(group.metrics.registry, metrics_port, metrics_host)
     except OSError:
@@ -162,12 +166,6 @@ async def follow_lifecycle(registration, group: WorkerGroup, poll_s: float = 0.1
             except Exception:  # keep following; the next change may succeed
                 log.exception("lifecycle step failed")
         await asyncio.sleep(poll_s)
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, worker_id: str, publisher):

@@ -58,8 +58,8 @@ async def test_64_sim_workers_requests_land_on_the_prefix_holder(router_etcd):
     async with running_control_plane(config) as cp:
         watcher = TopologyWatcher(cp.address)
         roles = ["prefill"] * half + ["decode"] * half
-        ports = distinct_free_ports(NUM_WORKERS + 1)
-        router_address = f"127.0.0.1:{ports.pop()}"
+        router_address = f"127.0.0.1:{distinct_free_ports(1)[0]}"
+        ports = [0] * NUM_WORKERS  # each worker binds a kernel-chosen port and reports it (READY)
         hosts = [
             await SimHost.spawn(router_etcd.endpoint, keys.cluster, roles[i::NUM_HOSTS], ports[i::NUM_HOSTS])
             for i in range(NUM_HOSTS)
