@@ -128,7 +128,10 @@ async def test_workers_survive_an_etcd_restart(own_etcd, cluster_keys):
         # Still registered on the leases they had, or re-registered into the same slots.
         assert {w.worker_id for w in topology.workers} == {"w0", "w1"}
         await asyncio.sleep(TTL_S + 0.5)  # and they stay: keepalives flow again
-        assert (await get_topology(cp.address)).occupants == (None, None, "w0", "w1")
+        # (read through the watcher, which retries: right after a restart the control
+        # plane's etcd channel may still be reconnecting)
+        topology = await watcher.wait_for(lambda t: t.occupants == (None, None, "w0", "w1"), 10)
+        assert {w.worker_id for w in topology.workers} == {"w0", "w1"}
         await watcher.close()
         for worker in workers:
             await worker.close()
