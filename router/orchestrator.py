@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 import grpc
 from opentelemetry import trace
 
-from splitserve.control_plane.shard_spec import Role
 from splitserve.engine.block_hash import hash_blocks
+from splitserve.router.admission import check_ttft_slo
 from splitserve.router.cluster_view import ClusterView
 from splitserve.router.config import RouterConfig
 from splitserve.router.messages import (
@@ -168,20 +168,14 @@ class Orchestrator:
             })  # fmt: skip
 
     def _admit_by_ttft(self, num_prompt_tokens: int) -> None:
-        """Refuse early a request that cannot meet the TTFT SLO (see RouterConfig.ttft_slo_s)."""
-        slo = self._config.ttft_slo_s
-        if not slo:
-            return
-        roles = [w.role for w in self._view.workers.values()]
-        num_prefill = sum(1 for r in roles if r is Role.PREFILL) or sum(1 for r in roles if r is Role.DECODE)
-        queued = self._pending_prefill_tokens + num_prompt_tokens
-        predicted = queued / (self._config.prefill_tokens_per_s * max(1, num_prefill))
-        if predicted > slo:
+        try:
+            check_ttft_slo(
+                self._config.ttft_slo_s, (w.role for w in self._view.workers.values()),
+                self._pending_prefill_tokens, num_prompt_tokens, self._config.prefill_tokens_per_s,
+            )  # fmt: skip
+        except OverloadedError:
             self.metrics.rejections.labels("ttft_slo").inc()
-            raise OverloadedError(
-                f"predicted time to first token {predicted:.2f} s exceeds the TTFT SLO of {slo:g} s "
-                f"({queued} prompt tokens waiting on {num_prefill} prefill worker(s)); retry later"
-            )
+            raise
 
     async def abort(self, request_id: str) -> bool:
         """Aborts a running request on its workers; its stream ends with FinishReason.ABORT."""

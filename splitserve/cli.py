@@ -29,7 +29,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode-worker": ("splitserve.decode_worker.cli", "run a decode worker (imports KV, streams tokens)"),
     "gateway": ("splitserve.gateway.cli", "run the OpenAI-compatible HTTP gateway in front of a router"),
     "up": ("splitserve.up", "start a whole local cluster (etcd, control plane, workers, router, gateway)"),
-    "bench": ("splitserve.router.bench", "benchmarks: `bench router` = replay a Mooncake trace through the routing policies"),
+    "bench": ("splitserve.router.bench_cli", "benchmarks: `bench router` = replay a Mooncake trace through the routing policies"),
     "trace": ("splitserve.telemetry.cli", "trace tools: `trace report FILE` = TTFT breakdown table + PNG waterfall"),
 }
 
