@@ -18,18 +18,29 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import AttentionMetadata
-from splitserve.engine.batch import StepInputs
 
 
 @dataclass
 class _Static:
-    ids: torch.Tensor
-    positions: torch.Tensor
-    slots: torch.Tensor
-    tables: torch.Tensor
-    ctx_lens: torch.Tensor
+    """A bucket's graph and its inputs: one int64 device buffer
+
+        [ids (B) | positions (B) | slots (B) | ctx_lens (B) | tables (B x max_blocks)]
+
+    filled by one non-blocking copy from a pinned host twin per step."""
+
+    buffer: torch.Tensor
+    host: torch.Tensor
+    template: torch.Tensor
+    """Host buffer of an all-padding batch; each step starts from a copy of it."""
     logits: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+
+
+def _fields(buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
+    """(ids, positions, slots, ctx_lens, tables) views of a bucket's input buffer."""
+    ids, positions, slots, ctx_lens = buf[: 4 * bucket].view(4, bucket)
+    return ids, positions, slots, ctx_lens, buf[4 * bucket :].view(bucket, -1)
 
 
 def buckets_up_to(max_batch: int) -> list[int]:
@@ -55,40 +66,46 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.buckets[-1]
 
-    def can_run(self, inputs: StepInputs) -> bool:
-        meta = inputs.meta
-        return (
-            meta.is_decode_only
-            and meta.block_tables.shape[0] <= self.max_batch
-            and meta.block_tables.shape[1] <= self.max_blocks
-        )
+    def can_run(self, out) -> bool:
+        """A decode-only step (one token per sequence) that fits the largest bucket."""
+        chunks = out.chunks
+        if len(chunks) > self.max_batch:
+            return False
+        limit = self.max_blocks * self.block_size
+        return all(c.num_tokens == 1 and c.start < limit for c in chunks)
 
-    def run(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [B, vocab] float32 for a decode-only batch of B sequences."""
-        meta = inputs.meta
-        batch, width = meta.block_tables.shape
+    def launch(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replay the bucket's graph for a decode-only step; returns (logits [B, vocab]
+        float32, greedy ids [B]) on the device, without waiting for them.
+
+        The inputs are written straight into the pinned host buffer (no per-field
+        tensors, one host-to-device copy): the host work per sequence is a few
+        list reads, which is what bounds a decode step at large batch."""
+        chunks = out.chunks
+        batch = len(chunks)
         static = self._get(next(b for b in self.buckets if b >= batch))
-        static.ids[:batch].copy_(inputs.input_ids)
-        static.positions[:batch].copy_(inputs.positions)
-        static.slots[:batch].copy_(meta.slot_mapping)
-        static.ctx_lens[:batch].copy_(meta.ctx_lens)
-        static.tables[:batch, :width].copy_(meta.block_tables)
-        static.tables[:batch, width:].fill_(self.scratch_block)
-        self._pad(static, batch)
+        bucket = static.logits.shape[0]
+        host = static.host
+        host.copy_(static.template)
+        ids, positions, slots, ctx_lens, tables = (v.numpy() for v in _fields(host, bucket))
+        bs = self.block_size
+        for i, chunk in enumerate(chunks):
+            req, pos = chunk.request, chunk.start
+            blocks = req.block_ids
+            n = pos // bs + 1
+            ids[i] = req.token_slice(pos, pos + 1)[0]
+            positions[i] = pos
+            slots[i] = blocks[n - 1] * bs + pos % bs
+            ctx_lens[i] = pos + 1
+            tables[i, :n] = blocks[:n]
+        static.buffer.copy_(host, non_blocking=True)
         static.graph.replay()
-        return static.logits[:batch]
+        return static.logits[:batch], static.greedy[:batch]
 
     def reset(self) -> None:
         """Drop every graph (their KV pointers are about to change); re-captured on use."""
         self._static.clear()
         self._pool = None
-
-    def _pad(self, static: _Static, start: int) -> None:
-        static.ids[start:].zero_()
-        static.positions[start:].zero_()
-        static.slots[start:].fill_(self.scratch_block * self.block_size)
-        static.ctx_lens[start:].fill_(1)
-        static.tables[start:].fill_(self.scratch_block)
 
     def _get(self, bucket: int) -> _Static:
         static = self._static.get(bucket)
@@ -96,26 +113,33 @@ class DecodeGraphs:
             static = self._static[bucket] = self._capture(bucket)
         return static
 
+    def _padding(self, bucket: int) -> torch.Tensor:
+        """An all-padding batch: rows point at the scratch block (position 0, context 1)."""
+        buf = torch.zeros(bucket * (4 + self.max_blocks), dtype=torch.long)
+        ids, positions, slots, ctx_lens, tables = _fields(buf, bucket)
+        slots.fill_(self.scratch_block * self.block_size)
+        ctx_lens.fill_(1)
+        tables.fill_(self.scratch_block)
+        return buf
+
     @torch.inference_mode()
     def _capture(self, bucket: int) -> _Static:
         device = self.kv_caches[0].device
-
-        def zeros(*shape):
-            return torch.zeros(*shape, dtype=torch.long, device=device)
-
-        static = _Static(zeros(bucket), zeros(bucket), zeros(bucket), zeros(bucket, self.max_blocks), zeros(bucket))
-        self._pad(static, 0)
+        template = self._padding(bucket)
+        static = _Static(template.to(device), torch.empty_like(template).pin_memory(), template)
+        ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
         meta = AttentionMetadata(
-            slot_mapping=static.slots,
+            slot_mapping=slots,
             backend="triton",
             is_decode_only=True,
-            block_tables=static.tables,
-            ctx_lens=static.ctx_lens,
+            block_tables=tables,
+            ctx_lens=ctx_lens,
         )
 
-        def forward() -> torch.Tensor:
-            hidden = self.model(static.positions, meta, self.kv_caches, input_ids=static.ids)
-            return self.model.compute_logits(hidden)
+        def forward() -> tuple[torch.Tensor, torch.Tensor]:
+            hidden = self.model(positions, meta, self.kv_caches, input_ids=ids)
+            logits = self.model.compute_logits(hidden)
+            return logits, logits.argmax(dim=-1)
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -125,7 +149,7 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            static.logits = forward()
+            static.logits, static.greedy = forward()
         self._pool = graph.pool()
         static.graph = graph
         return static

@@ -70,6 +70,8 @@ class Engine:
         self.pool = BlockPool(self.runner.num_blocks, cache.prefix_caching_eviction_policy, cache.enable_prefix_caching)
         self.pool.record_events = False  # a worker's KV-event publisher turns this on
         self.scheduler = Scheduler(config.scheduler, self.pool, self.block_size)
+        if self.runner.states is not None:  # hybrid: a prefix hit needs a cached recurrent state too
+            self.scheduler.prefix_limit = self.runner.states.usable_prefix_blocks
         limit = config.scheduler.max_sequence_length or self.model_config.max_position_embeddings
         self.max_sequence_length = min(limit, self.model_config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
@@ -186,13 +188,15 @@ class Engine:
                 req.num_prefill_chunks += 1
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = started
-        results = self.runner.execute(out)
+        pending = self.runner.launch(out)
+        for chunk in out.chunks:  # needs no sampled token: overlaps the device's step
+            self.scheduler.update_computed(chunk.request, chunk.start + chunk.num_tokens)
+        results = self.runner.collect(pending)
         outputs = []
         now = time.monotonic()
         for chunk, res in zip(out.chunks, results, strict=True):
             req = chunk.request
             req.prompt_log_probs.extend(res.prompt_log_probs)
-            self.scheduler.update_computed(req, chunk.start + chunk.num_tokens)
             if res.sample is None:
                 continue
             token = res.sample.token_id
@@ -235,6 +239,8 @@ class Engine:
                 time.monotonic() + self.config.cache.handoff_lease_s,
             )
             self.num_pinned_blocks += len(blocks)
+            if self.runner.states is not None:  # the recurrent state travels with the KV
+                self.runner.states.pin(req.request_id)
         self._forget(req.request_id)
 
     def _forget(self, request_id: str) -> None:
@@ -250,6 +256,8 @@ class Engine:
             return False
         self.pool.unpin(reversed(handoff.block_ids))
         self.num_pinned_blocks -= len(handoff.block_ids)
+        if self.runner.states is not None:
+            self.runner.states.unpin(request_id)
         return True
 
     def expired_handoffs(self, now: float | None = None) -> list[str]:
@@ -274,6 +282,12 @@ class Engine:
         for b in range(self.pool.num_blocks):
             if self.pool.ref_count(b) != owned.get(b, 0):
                 raise AssertionError(f"block {b}: ref count {self.pool.ref_count(b)} but {owned.get(b, 0)} owners")
+        if self.runner.states is not None:
+            states = self.runner.states.pool
+            live = {r.request_id for r in self.scheduler.running} | {r.request_id for r in self.scheduler.waiting}
+            states.check_integrity(live)
+            if states.pinned != set(self.handoffs):
+                raise AssertionError(f"state pins {sorted(states.pinned)} != handoffs {sorted(self.handoffs)}")
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = list(self.model_config.eos_token_ids)

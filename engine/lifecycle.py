@@ -17,6 +17,7 @@ import dataclasses
 import torch
 
 from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.fused import fuse_projections
 from splitserve.engine.models.loader import load_weights
 
 
@@ -25,6 +26,8 @@ def suspend(engine) -> None:
         engine.release_handoff(request_id)
     engine.scheduler.preempt_all()
     engine.pool.reset_prefix_cache()
+    if getattr(engine.runner, "states", None) is not None:  # hybrid: cached states go with the cached KV
+        engine.runner.states.reset_prefix_cache()
     if engine.runner.graphs is not None:
         engine.runner.graphs.reset()
     for kv in engine.kv_caches:
@@ -54,6 +57,10 @@ def reload_weights(engine, path: str) -> None:
         raise ValueError(f"checkpoint {path!r} differs in {diff}; reload needs the same architecture")
     if not getattr(engine, "is_simulated", False):  # a simulated engine has no weights to load
         load_weights(engine.runner.model, path, engine.runner.dtype, engine.runner.device)
+        if getattr(engine.runner.model, "fused", False):  # the loader replaced the fused weights' views
+            fuse_projections(engine.runner.model)
     engine.model_path = path
     engine.model_config = dataclasses.replace(old, name=new.name)
     engine.pool.reset_prefix_cache()  # cached KV was computed by the old weights
+    if getattr(engine.runner, "states", None) is not None:
+        engine.runner.states.reset_prefix_cache()

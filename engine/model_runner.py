@@ -50,6 +50,18 @@ def resolve_dtype(name: str, model: ModelConfig, device: torch.device) -> torch.
 
 
 @dataclass(frozen=True)
+class PendingStep:
+    """A launched step: what `collect` needs to sample it."""
+
+    out: SchedulerOutput
+    hidden: torch.Tensor | None = None
+    """Last stage, eager: the hidden states of the step's tokens."""
+    logits: torch.Tensor | None = None
+    """CUDA graph: one logits row per sequence, and their argmax in `greedy`."""
+    greedy: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class ChunkResult:
     """What one scheduled chunk produced (identical on every rank)."""
 
@@ -65,6 +77,12 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, model_config, self.device)
         self.model = build_model(model_config, ps, config.model, self.dtype, self.device)
+        self.states = None
+        """Recurrent-state slots and prefix store (hybrid models only; state_manager.py)."""
+        if model_config.is_hybrid:
+            from splitserve.engine.state_manager import StateManager
+
+            self.states = StateManager(config, model_config, self.model, self.dtype, self.device)
         self.block_size = config.cache.block_size_tokens
         self.num_blocks = num_blocks_for(model_config, ps, config.cache, self.dtype)
         # One block more than the pool hands out: the scratch block that padded
@@ -82,7 +100,13 @@ class ModelRunner:
         self._hidden_size = model_config.hidden_size
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.graphs = None
-        if self.backend == "triton" and self.device.type == "cuda" and config.enable_cuda_graphs and ps.pp_size == 1:
+        if (
+            self.backend == "triton"
+            and self.device.type == "cuda"
+            and config.enable_cuda_graphs
+            and ps.pp_size == 1
+            and self.states is None  # graphs capture attention-only models
+        ):
             from splitserve.engine.cuda_graphs import DecodeGraphs
 
             max_len = min(
@@ -103,22 +127,43 @@ class ModelRunner:
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[ChunkResult]:
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingStep:
+        """Queue the step's forward on the device; `collect` samples from it. On a
+        GPU the two are apart so the engine can do token-independent bookkeeping
+        (prefix-cache registration) while the step runs."""
+        if self.graphs is not None and self.graphs.can_run(out):
+            logits, greedy = self.graphs.launch(out)
+            return PendingStep(out, logits=logits, greedy=greedy)
         inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device)
-        results = None
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)
-            if self.ps.is_driver:
-                spans = [(i, i + 1) for i in range(len(out.chunks))]
-                results = self._sample_logits(out, logits, spans)
-            return self.ps.broadcast_from_driver(results)
         hidden = None
         if not self.ps.is_first_stage:
             hidden = self.ps.recv_prev((len(inputs.input_ids), self._hidden_size), self.dtype, self.device)
-        hidden = self.model(inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden)
+        extra = {}
+        if self.states is not None:  # hybrid: the mixers' recurrent-state slots for this step
+            extra = dict(mamba_meta=self.states.prepare(out, self.backend, self.device), mamba_states=self.states.layers)
+        hidden = self.model(
+            inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden, **extra
+        )
+        if self.states is not None:
+            self.states.finish(out)
         if not self.ps.is_last_stage:
             self.ps.send_next(hidden)
-        elif self.ps.is_driver:
-            results = self._sample(out, hidden)
+            return PendingStep(out)
+        return PendingStep(out, hidden=hidden)
+
+    @torch.inference_mode()
+    def collect(self, step: PendingStep) -> list[ChunkResult]:
+        """Sample the launched step (driver) and share the results with every rank."""
+        results = None
+        if self.ps.is_driver:
+            if step.logits is not None:
+                spans = [(i, i + 1) for i in range(len(step.out.chunks))]
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy)
+            elif step.hidden is not None:
+                results = self._sample(step.out, step.hidden)
         return self.ps.broadcast_from_driver(results)
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[ChunkResult]:
@@ -136,10 +181,15 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows]) if rows else None
         return self._sample_logits(out, logits, spans)
 
-    def _sample_logits(self, out: SchedulerOutput, logits, spans: list[tuple[int, int]]) -> list[ChunkResult]:
-        """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples)."""
+    def _sample_logits(
+        self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None
+    ) -> list[ChunkResult]:
+        """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
+        `greedy`: their argmax when the step already computed it (a CUDA graph)."""
         # Plain greedy rows (the common case) share one argmax and one host sync.
-        greedy = logits.argmax(dim=-1).tolist() if logits is not None else []
+        if greedy is None and logits is not None:
+            greedy = logits.argmax(dim=-1)
+        greedy = greedy.tolist() if greedy is not None else []
         results = []
         for chunk, (first, last) in zip(out.chunks, spans, strict=True):
             req = chunk.request
@@ -177,3 +227,5 @@ class ModelRunner:
 
     def forget(self, request_id: str) -> None:
         self._base_seeds.pop(request_id, None)
+        if self.states is not None:
+            self.states.forget(request_id)

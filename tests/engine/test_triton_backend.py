@@ -1,5 +1,7 @@
 """The engine on the Triton attention backend (paged prefill + decode kernels and
-the KV-write kernel) gives the torch backend's tokens. On CPU the kernels run in
+the KV-write kernel) gives the torch backend's tokens, and so does the fused GPU
+form of the layers (`engine/models/fused.py`: fused qkv / gate_up GEMMs, RMSNorm
++ residual, rotary and SwiGLU kernels), forced on here since it is CUDA-only by default. On CPU the kernels run in
 Triton's interpreter, which must be switched on before they are defined, so the
 check runs in a fresh interpreter process."""
 
@@ -18,25 +20,31 @@ SCRIPT = r"""
 import json, sys, torch
 torch.set_num_threads(1)
 from splitserve import LLM, SamplingParams
+from splitserve.engine.models.fused import fuse_projections
 prompts = [[5, 9, 22, 7, 1, 3, 8, 40, 41, 42, 43, 44, 45], [8, 3], list(range(60, 81))]
 params = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True, return_log_probs=True)
 out = {}
-for backend in ("torch", "triton"):
+for name in ("torch", "triton", "fused"):
+    backend = "torch" if name == "torch" else "triton"
     llm = LLM(sys.argv[1], attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
-    assert llm.engine.runner.backend == backend
+    assert llm.engine.runner.backend == backend and not llm.engine.runner.model.fused
+    if name == "fused":
+        fuse_projections(llm.engine.runner.model)
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()
-    out[backend] = [[r.generated_tokens, r.generated_log_probs] for r in res]
+    out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
 print(json.dumps(out))
 """
 
 
-def test_triton_backend_matches_torch(tmp_path):
-    build_hf_checkpoint(tmp_path, "llama", num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_triton_backend_matches_torch(tmp_path, family):
+    build_hf_checkpoint(tmp_path, family, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out["triton"], strict=True):
-        assert k_tokens == t_tokens
-        assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4
+    for variant in ("triton", "fused"):
+        for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out[variant], strict=True):
+            assert k_tokens == t_tokens, variant
+            assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4, variant

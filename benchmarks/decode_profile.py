@@ -1,0 +1,132 @@
+"""Where a decode step's time goes on the GPU: host work vs the graph replay.
+
+Runs our engine on the Llama-3.2-1B shape (random bf16 weights, see
+`engine.py`) and reports, per batch size:
+
+- the step time seen by `LLM.generate` (prefill excluded),
+- the time of the CUDA-graph replay alone for the same bucket (the GPU-bound floor),
+- with `--profile`, the top functions by own time under cProfile (host hot spots).
+
+    python benchmarks/decode_profile.py --batches 1,64 [--profile] [--option KEY=VALUE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import copy_bandwidth, make_checkpoint  # noqa: E402
+
+CFG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def replay_time(llm, batch: int, iters: int = 50) -> float:
+    graphs = llm.engine.runner.graphs
+    if graphs is None:
+        return float("nan")
+    bucket = next(b for b in graphs.buckets if b >= batch)
+    static = graphs._get(bucket)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        static.graph.replay()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
+def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
+    """Per-kernel GPU time of eager decode steps (graphs off, so every kernel is
+    visible to the profiler; the kernels are the ones the graph replays)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(str(path), device="cuda", block_size_tokens=16, buffer_size_gb=20, max_tokens=32768,
+              max_requests=128, **dict(extra, enable_cuda_graphs=False))
+    g = torch.Generator().manual_seed(1)
+    params = SamplingParams(num_tokens_to_generate=steps + 8, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        llm.engine.add_request(f"r{i}", torch.randint(10, 1000, (512,), generator=g).tolist(), params)
+    for _ in range(4):
+        llm.engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.engine.step()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+
+
+def main() -> None:
+    from splitserve import LLM, SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batches", default="1,64")
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--profile", action="store_true", help="cProfile the decode run and print hot spots")
+    p.add_argument("--kernels", action="store_true", help="print per-kernel GPU time of 20 eager decode steps")
+    p.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (repeatable)")
+    args = p.parse_args()
+    extra = {}
+    for item in args.option:
+        key, value = item.split("=", 1)
+        extra[key] = {"true": True, "false": False}.get(value, value)
+    bw = copy_bandwidth()
+    params = 128256 * 2048 + 16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192)
+    kv_per_token = 16 * 2 * 8 * 64 * 2
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp)
+        make_checkpoint(path, CFG, torch.bfloat16, "cuda")
+        if args.kernels:
+            for batch in [int(b) for b in args.batches.split(",")]:
+                print(f"--- kernels, batch {batch}, 20 decode steps ---")
+                print(kernel_table(path, batch, extra))
+            return
+        llm = LLM(str(path), device="cuda", block_size_tokens=16, buffer_size_gb=20, max_tokens=32768,
+                  max_requests=128, **extra)
+        rows = []
+        for batch in [int(b) for b in args.batches.split(",")]:
+            g = torch.Generator().manual_seed(1)
+            prompts = [torch.randint(10, 1000, (512,), generator=g).tolist() for _ in range(batch)]
+            llm.generate(prompts, SamplingParams(num_tokens_to_generate=4, temperature=0.0, ignore_eos=True))
+            timings = []
+            for new in (1, args.new_tokens):
+                llm.engine.pool.reset_prefix_cache()
+                prof = cProfile.Profile() if args.profile and new > 1 else None
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if prof:
+                    prof.enable()
+                llm.generate(prompts, SamplingParams(num_tokens_to_generate=new, temperature=0.0, ignore_eos=True))
+                torch.cuda.synchronize()
+                if prof:
+                    prof.disable()
+                timings.append(time.perf_counter() - t0)
+            step = (timings[1] - timings[0]) / (args.new_tokens - 1)
+            replay = replay_time(llm, batch)
+            step_bytes = 2 * params + batch * (512 + args.new_tokens / 2) * kv_per_token
+            roof_step = step_bytes / bw
+            rows.append((batch, step, replay, roof_step))
+            if prof:
+                s = io.StringIO()
+                pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
+                print(f"--- cProfile, batch {batch} (profiled run; overhead inflates times) ---")
+                print(s.getvalue()[:6000])
+        print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
+        print(f"{'batch':>5} {'step ms':>8} {'replay ms':>10} {'roofline ms':>12} {'step/roof':>10} {'replay/roof':>12}")
+        for batch, step, replay, roof in rows:
+            print(f"{batch:>5} {step * 1e3:>8.3f} {replay * 1e3:>10.3f} {roof * 1e3:>12.3f} {roof / step:>10.1%} {roof / replay:>12.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The GPU form of the Llama-family layer: fused projections and fused kernels.
+
+A decode step of a small model is hundreds of tiny kernels (each RMSNorm is
+~8 elementwise ops, rotary ~5 per tensor, SwiGLU 2, plus separate q/k/v and
+gate/up GEMMs); on an H200 their launch gaps, not HBM, bound the step even
+inside a CUDA graph. This form runs per layer
+
+    add+RMSNorm -> qkv GEMM -> rotary(q, k) -> write_kv + attention -> o GEMM
+    -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
+
+carrying the residual stream separately (`residual`), so each residual add
+rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
+gate/up weights once and re-points the per-projection parameters at views of
+the fused tensors, so the checkpoint loader (and a lifecycle reload, which
+calls it again) keep working and no memory is duplicated.
+
+Used only where the Triton kernels run on CUDA (`build_model`); the CPU path
+keeps the unfused modules, the numerical reference of the tests.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from splitserve import kernels
+from splitserve.engine.attention import AttentionMetadata, paged_attention
+
+
+def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Concatenate the modules' weights (and biases) by output rows; the modules'
+    parameters become views of the result."""
+    weight = torch.cat([m.weight.data for m in modules])
+    bias = None
+    if modules[0].bias is not None:
+        bias = torch.cat([m.bias.data for m in modules])
+    row = 0
+    for m in modules:
+        n = m.weight.shape[0]
+        m.weight.data = weight[row : row + n]
+        if bias is not None:
+            m.bias.data = bias[row : row + n]
+        row += n
+    return weight, bias
+
+
+def fuse_projections(model) -> None:
+    """Give every decoder layer fused qkv and gate_up weights (idempotent; call
+    again after the weights are replaced)."""
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_weight, attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        mlp.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+    model.fused = True
+
+
+def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    t, d = x.shape[0], attn.head_dim
+    qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+    nq, nk = attn.num_heads * d, attn.num_kv_heads * d
+    q = qkv[:, :nq].view(t, attn.num_heads, d)
+    k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
+    v = qkv[:, nq + nk :].view(t, attn.num_kv_heads, d)
+    kernels.apply_rotary_qk(q, k, cos, sin)
+    o = paged_attention(q, k, v, kv, meta, attn.scale)
+    return attn.ps.all_reduce_tp(attn.o_proj(o.reshape(t, -1)))
+
+
+def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    return mlp.ps.all_reduce_tp(mlp.down_proj(kernels.silu_and_mul(F.linear(x, mlp.gate_up_weight))))
+
+
+def fused_layers_forward(
+    model, hidden: torch.Tensor, cos, sin, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+) -> torch.Tensor:
+    """The stage's decoder layers over hidden [T, H]; returns the full hidden state
+    (residual stream included), like the unfused loop. `hidden` is consumed: it
+    becomes the residual buffer and is updated in place."""
+    residual = None
+    x = hidden
+    for layer, kv in zip(model.layers, kv_caches, strict=True):
+        norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        if residual is None:
+            residual = x
+            h = kernels.rms_norm(x, norm_in.weight, norm_in.eps)
+        else:
+            h = kernels.rms_norm(x, norm_in.weight, norm_in.eps, residual=residual)
+        attn_out = _attention(layer.self_attn, h, cos, sin, kv, meta)
+        h = kernels.rms_norm(attn_out, norm_post.weight, norm_post.eps, residual=residual)
+        x = _mlp(layer.mlp, h)
+    if residual is None:
+        return hidden
+    return residual + x

@@ -1,0 +1,74 @@
+"""Fused per-token layer kernels (RMSNorm + residual, rotary q/k, SwiGLU) against
+their torch references (interpreter on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.models.rope import RotaryEmbedding  # noqa: E402
+from splitserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from splitserve.kernels.norm import rms_norm, rms_norm_reference  # noqa: E402
+from splitserve.kernels.rotary import apply_rotary_qk, rotary_reference  # noqa: E402
+
+
+def _close(got, want, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:  # fp16: summation order of the mean may flip one rounding
+        torch.testing.assert_close(got.float(), want.float(), rtol=2e-3, atol=2e-3)
+
+
+@pytest.mark.parametrize("hidden,dtype", [(64, torch.float32), (96, torch.float16), (256, torch.float16)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_reference(hidden, dtype, with_residual, device):
+    g = torch.Generator().manual_seed(hidden)
+    x = torch.randn(5, hidden, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+    res = torch.randn(5, hidden, generator=g).to(dtype).to(device) if with_residual else None
+    want, want_res = rms_norm_reference(x, w, 1e-5, None if res is None else res.clone())
+    got = rms_norm(x, w, 1e-5, res)
+    _close(got, want, dtype)
+    if with_residual:
+        assert torch.equal(res, want_res)  # the residual sum is one exact rounding
+    assert not torch.equal(got, x)
+
+
+def test_rms_norm_rejects_bad_shapes(device):
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device), 1e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(4, 2, 16, torch.float32), (8, 1, 64, torch.float16)])
+def test_rotary_qk_matches_reference_on_fused_views(heads, kv_heads, head_dim, dtype, device):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    t = 7
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype).to(device)
+    q = qkv[:, : heads * head_dim].view(t, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(t, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    rope = RotaryEmbedding(head_dim, 10000.0, None).to(device)
+    cos, sin = rope.cos_sin(torch.tensor([0, 1, 5, 9, 30, 31, 100], device=device), dtype)
+    want_q, want_k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+    apply_rotary_qk(q, k, cos, sin)
+    if dtype == torch.float32:
+        assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    else:
+        _close(q, want_q, dtype)
+        _close(k, want_k, dtype)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("inter,dtype", [(48, torch.float32), (1500, torch.float16)])
+def test_silu_and_mul_matches_reference(inter, dtype, device):
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(3, 2 * inter, generator=g).to(dtype).to(device)
+    got = silu_and_mul(x)
+    want = silu_and_mul_reference(x)
+    assert got.shape == (3, inter)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    else:
+        _close(got, want, dtype)
