@@ -74,6 +74,8 @@ def main() -> None:
     p.add_argument("--batches", default="1,64")
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--profile", action="store_true", help="cProfile the decode run and print hot spots")
+    p.add_argument("--sample", default=None, metavar="T,K,P",
+                   help="sample with temperature T, top-k K, top-p P (seeded) instead of greedy")
     p.add_argument("--kernels", action="store_true", help="print per-kernel GPU time of 20 eager decode steps")
     p.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (repeatable)")
     args = p.parse_args()
@@ -98,7 +100,11 @@ def main() -> None:
         for batch in [int(b) for b in args.batches.split(",")]:
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(10, 1000, (512,), generator=g).tolist() for _ in range(batch)]
-            llm.generate(prompts, SamplingParams(num_tokens_to_generate=4, temperature=0.0, ignore_eos=True))
+            how = dict(temperature=0.0)
+            if args.sample:
+                t, k, top_p = args.sample.split(",")
+                how = dict(temperature=float(t), top_k=int(k), top_p=float(top_p), seed=7)
+            llm.generate(prompts, SamplingParams(num_tokens_to_generate=4, ignore_eos=True, **how))
             timings = []
             for new in (1, args.new_tokens):
                 llm.engine.pool.reset_prefix_cache()
@@ -107,12 +113,17 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if prof:
                     prof.enable()
-                llm.generate(prompts, SamplingParams(num_tokens_to_generate=new, temperature=0.0, ignore_eos=True))
+                res = llm.generate(prompts, SamplingParams(num_tokens_to_generate=new, ignore_eos=True, **how))
                 torch.cuda.synchronize()
                 if prof:
                     prof.disable()
                 timings.append(time.perf_counter() - t0)
             step = (timings[1] - timings[0]) / (args.new_tokens - 1)
+            if args.sample:  # the same seed draws the same tokens again
+                llm.engine.pool.reset_prefix_cache()
+                again = llm.generate(prompts, SamplingParams(num_tokens_to_generate=args.new_tokens, ignore_eos=True, **how))
+                same = sum(a.generated_tokens == b.generated_tokens for a, b in zip(res, again, strict=True))
+                print(f"batch {batch}: sampled twice with one seed: {same}/{batch} requests identical")
             replay = replay_time(llm, batch)
             step_bytes = 2 * params + batch * (512 + args.new_tokens / 2) * kv_per_token
             roof_step = step_bytes / bw

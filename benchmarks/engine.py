@@ -178,6 +178,43 @@ def check_gpu_backends() -> None:
             print(f"check cuda fp32 backend={backend} graphs={graphs}: {same}/{len(ref)} prompts identical to HF")
 
 
+def check_bf16_agreement(path: str, label: str, prompts: list[list[int]], new: int = 256) -> None:
+    """Top-1 agreement with transformers in bf16: at every position we generated greedily,
+    is our token HF's argmax too? HF is teacher-forced on our sequence (one forward), so one
+    early near-tie does not decide every later position."""
+    import transformers
+
+    from splitserve import LLM, SamplingParams
+
+    llm = LLM(path, device="cuda", dtype="bfloat16", block_size_tokens=16, num_blocks=2048, max_tokens=4096)
+    params = SamplingParams(num_tokens_to_generate=new, temperature=0.0, ignore_eos=True)
+    ours = [r.generated_tokens for r in llm.generate(prompts, params)]
+    del llm
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).cuda().eval()
+    agree = total = 0
+    for prompt, tokens in zip(prompts, ours, strict=True):
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + tokens], device="cuda")).logits[0, len(prompt) - 1 : -1]
+        agree += int((logits.argmax(-1).cpu() == torch.tensor(tokens)).sum())
+        total += len(tokens)
+    del hf
+    torch.cuda.empty_cache()
+    print(f"check cuda bf16 {label}: top-1 agreement with transformers {agree / total:.2%} over {total} tokens")
+
+
+def check_bf16(path: Path) -> None:
+    from splitserve.engine.default_model import default_model_path
+    from splitserve.engine.tokenizer import Tokenizer
+
+    model = str(default_model_path())
+    tok = Tokenizer(model)
+    texts = ["def fibonacci(n):", "import os\nimport sys\n\n\nclass ", "    for key, value in ", "# Copyright"]
+    check_bf16_agreement(model, "default model", [tok.encode(t) for t in texts])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(10, 30000, (n,), generator=g).tolist() for n in (16, 200, 500)]
+    check_bf16_agreement(str(path), "1B shape, random weights", prompts)
+
+
 def run_gpu(args) -> None:
     if not args.skip_check:
         check_gpu_backends()
@@ -191,6 +228,8 @@ def run_gpu(args) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         make_checkpoint(path, cfg, torch.bfloat16, "cuda")
+        if not args.skip_check:
+            check_bf16(path)
         out = []
         for batch in [int(b) for b in args.batches.split(",")]:
             ours = time_ours(path, batch, 512, args.new_tokens, "cuda", block_size_tokens=16, buffer_size_gb=20,

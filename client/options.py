@@ -57,6 +57,8 @@ class ClientOptions:
     """None: plaintext (loopback / trusted networks)."""
     metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     """Sent with every call (e.g. ("authorization", "Bearer ...") behind an authenticating proxy)."""
+    max_message_bytes: int = 16 << 20
+    """Largest gRPC message sent or received (grpc's own receive default is 4 MiB)."""
 
     def __post_init__(self) -> None:
         if self.timeout_s is not None and not self.timeout_s > 0:
@@ -65,6 +67,9 @@ class ClientOptions:
             raise ValueError(f"control_timeout_s must be > 0, got {self.control_timeout_s!r}")
         if not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ValueError(f"max_attempts must be an integer >= 1, got {self.max_attempts!r}")
+        if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int) \
+                or self.max_message_bytes < 1024:  # fmt: skip
+            raise ValueError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
         if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
             raise ValueError(
                 f"need 0 <= initial_backoff_s <= max_backoff_s, got {self.initial_backoff_s!r} and {self.max_backoff_s!r}"
@@ -76,7 +81,11 @@ class ClientOptions:
         return base * random.uniform(0.8, 1.2)
 
     def channel_options(self) -> list[tuple[str, object]]:
-        options: list[tuple[str, object]] = [("grpc.enable_retries", 0)]  # the SDK retries itself, visibly
+        options: list[tuple[str, object]] = [
+            ("grpc.enable_retries", 0),  # the SDK retries itself, visibly
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
         if self.tls is not None and self.tls.server_name_override:
             options.append(("grpc.ssl_target_name_override", self.tls.server_name_override))
         return options

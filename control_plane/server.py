@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve import grpc_security
 from splitserve.control_plane.cluster_store import ClusterStore
 from splitserve.control_plane.controller import ClusterController
 from splitserve.control_plane.election import LeaderElection
@@ -109,9 +110,9 @@ class ControlPlaneServer:
         """Checks the spec against etcd, starts serving and campaigning; returns the bound address."""
         await self._store.ensure_spec()
         await self._feed.start()
-        server = grpc.aio.server()
+        server = grpc_security.aio_server()
         host = self.config.listen.rpartition(":")[0]
-        port = server.add_insecure_port(self.config.listen)
+        port = grpc_security.add_port(server, self.config.listen)
         self.address = f"{host}:{port}"
         # The leader key advertises the address, so the election needs the bound port.
         record = LeaderRecord(self.replica_id, self.config.advertise_address or self.address)

@@ -28,6 +28,7 @@ from collections.abc import Callable
 import aetcd
 import grpc
 
+from splitserve import grpc_security
 from splitserve.control_plane.assignment import Assignment
 from splitserve.control_plane.cluster_store import read_leader
 from splitserve.control_plane.etcd_client import connect
@@ -173,7 +174,7 @@ class WorkerRegistration:
 
     def _stub(self, address: str) -> control_plane_pb2_grpc.ControlPlaneStub:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc_security.aio_channel(address)
         return control_plane_pb2_grpc.ControlPlaneStub(self._channels[address])
 
     async def _addresses(self) -> list[str]:

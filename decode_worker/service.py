@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 import grpc
 from opentelemetry import context as otel_context
 
+from splitserve import grpc_security
 from splitserve.decode_worker.hooks import ImportOutcome
+from splitserve.engine import fault_injection
 from splitserve.engine.block_pool import NoFreeBlocksError
 from splitserve.engine.handoff_push import PushGrant, PushRefusedError, PushRequest
 from splitserve.engine.serving import Command
@@ -32,6 +34,7 @@ from splitserve.engine.wire import (
     sampling_from_proto,
     top_logprobs_to_proto,
 )
+from splitserve.engine.worker_integrity import integrity_to_proto
 from splitserve.engine.worker_runtime import WorkerGroup
 from splitserve.proto.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
 from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
@@ -140,6 +143,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 if result.is_finished:
                     chunk.finish_reason = finish_reason(result)
                     finished = True
+                await fault_injection.hold("stream", request_id)
                 yield chunk
         finally:
             self.state.streams.pop(request_id, None)
@@ -152,6 +156,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             if desc is None:
                 await self._submit(Command("add", request_id, (token_ids, params)))
                 return None
+            await fault_injection.hold("transfer", request_id)
             error: Exception | None = None
             for attempt in range(self.pull_attempts):
                 try:
@@ -203,7 +208,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         async def release():
             channel = self._channels.get(address)
             if channel is None:
-                channel = self._channels[address] = grpc.aio.insecure_channel(address)
+                channel = self._channels[address] = grpc_security.aio_channel(address)
             try:
                 await prefill_grpc.PrefillWorkerStub(channel).Release(
                     prefill_worker_pb2.ReleaseRequest(request_id=request_id), timeout=5.0
@@ -217,7 +222,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         """torch_dist: PushKV on the prefill worker (engine thread, blocking until it decided)."""
         channel = self._push_channels.get(address)
         if channel is None:
-            channel = self._push_channels[address] = grpc.insecure_channel(address)
+            channel = self._push_channels[address] = grpc_security.sync_channel(address)
         try:
             reply = prefill_grpc.PrefillWorkerStub(channel).PushKV(push_to_proto(push), timeout=push.timeout_s)
         except grpc.RpcError as exc:
@@ -229,6 +234,10 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
 
     async def GetBlockSet(self, request, context):  # noqa: N802
         return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
+
+    async def CheckIntegrity(self, request, context):  # noqa: N802
+        report = await self._submit(Command("integrity"))
+        return integrity_to_proto(report, num_in_flight=self.group.num_in_flight, is_draining=self.group.draining)
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))

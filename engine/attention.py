@@ -113,6 +113,14 @@ def _triton_attention(q, k, v, kv, meta: AttentionMetadata, scale: float) -> tor
     from splitserve import kernels
 
     kernels.write_kv(kv, k, v, meta.slot_mapping)
+    return triton_attention_written(q, kv, meta, scale)
+
+
+def triton_attention_written(q, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Triton backend, the new tokens' K/V already in `kv` (e.g. written by the fused
+    rotary kernel of models/fused.py)."""
+    from splitserve import kernels
+
     if meta.is_decode_only:  # one token per sequence: the flash-decoding kernel
         return kernels.paged_decode_attention(q, kv, meta.block_tables, meta.ctx_lens, scale)
     return kernels.paged_prefill_attention(q, kv, meta.block_tables, meta.q_starts, meta.ctx_lens, scale)

@@ -43,9 +43,30 @@ class CacheConfig:
     handoff_lease_s: float = 30.0
     """Prefill role: pinned blocks are released after this many seconds even if
     the decode side never acknowledges — pins can never leak."""
+    prefix_caching_mamba_gb: float = 0.0625
+    """Hybrid models: memory budget (per rank, over its mamba layers) for recurrent
+    states (conv + SSM) cached at block boundaries, so a prefix-cache hit can resume
+    the recurrence there. A KV hit is only used up to the deepest block boundary
+    whose state is cached. 0 turns state prefix caching (hence hybrid prefix hits) off."""
+    mamba_state_slots: int | None = None
+    """Hybrid models: recurrent-state slots (one per running request or pinned
+    handoff); default 2 x `max_requests`."""
+    mamba_state_dtype: str = "auto"
+    """Dtype of the SSM state [H, P, N] per request: auto (float32, as NemotronH's
+    `mamba_ssm_cache_dtype`), float32, float16 or bfloat16."""
+    conv_state_dtype: str = "auto"
+    """Dtype of the conv state [conv channels, K - 1] per request: auto (the model dtype),
+    float32, float16 or bfloat16."""
 
     def __post_init__(self) -> None:
         _positive("block_size_tokens", self.block_size_tokens)
+        if isinstance(self.prefix_caching_mamba_gb, bool) or not isinstance(self.prefix_caching_mamba_gb, int | float) \
+                or self.prefix_caching_mamba_gb < 0:
+            raise ValueError(f"prefix_caching_mamba_gb must be a number >= 0, got {self.prefix_caching_mamba_gb!r}")
+        _positive("mamba_state_slots", self.mamba_state_slots, allow_none=True)
+        for name in ("mamba_state_dtype", "conv_state_dtype"):
+            if getattr(self, name) not in _DTYPES:
+                raise ValueError(f"{name} must be one of {_DTYPES}, got {getattr(self, name)!r}")
         _positive("handoff_lease_s", self.handoff_lease_s)
         _positive("buffer_size_gb", self.buffer_size_gb)
         _positive("num_blocks", self.num_blocks, allow_none=True)
@@ -93,6 +114,28 @@ class ParallelConfig:
 
 
 @dataclass(frozen=True)
+class TransferConfig:
+    """KV handoff between a prefill and a decode worker (engine/handoff.py, engine/transfer/)."""
+
+    layerwise: bool = False
+    """Layer-wise streaming. Prefill role: publish each layer's readiness (and its per-(layer,
+    kv head) checksums) on the transport's progress board and name the board slot in the
+    handoff descriptor. Decode role: when a descriptor names a slot, pull each layer as soon as
+    the board shows it written instead of all at once (engine/transfer/streaming.py), so the
+    transfer overlaps the prefill's later layers when the decode side starts early. Needs a
+    transport with a board (nixl, shm, inproc); torch_dist and cuda_ipc ignore it. Off by default:
+    a handoff dispatched after prefill ends has nothing to overlap (benchmarks/RESULTS.md)."""
+    num_progress_slots: int = 64
+    """Streamed handoffs one prefill rank can have in flight (rows of its progress board); a
+    handoff beyond that is published without streaming."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layerwise, bool):
+            raise ValueError(f"layerwise must be a bool, got {self.layerwise!r}")
+        _positive("num_progress_slots", self.num_progress_slots)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine needs; composed from the per-concern configs."""
 
@@ -120,9 +163,13 @@ class EngineConfig:
     cuda_graph_max_context: int = 8192
     """Longest context a graphed decode step serves; longer ones run eagerly. The
     graphs' block tables (and the decode kernel's partitions) are sized by it."""
+    async_scheduling: bool | None = None
+    """Schedule decode step N+1 while step N runs on the device (greedy decode-only
+    steps; see engine/step_pipeline.py). None: on when CUDA graphs are in use."""
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    transfer: TransferConfig = field(default_factory=TransferConfig)
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:

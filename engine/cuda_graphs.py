@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata
 
 
@@ -74,13 +75,14 @@ class DecodeGraphs:
         limit = self.max_blocks * self.block_size
         return all(c.num_tokens == 1 and c.start < limit for c in chunks)
 
-    def launch(self, out) -> tuple[torch.Tensor, torch.Tensor]:
+    def launch(self, out, fed: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Replay the bucket's graph for a decode-only step; returns (logits [B, vocab]
         float32, greedy ids [B]) on the device, without waiting for them.
 
         The inputs are written straight into the pinned host buffer (no per-field
         tensors, one host-to-device copy): the host work per sequence is a few
-        list reads, which is what bounds a decode step at large batch."""
+        list reads, which is what bounds a decode step at large batch. `fed`: the
+        input ids as a device tensor, overriding the (placeholder) host ones."""
         chunks = out.chunks
         batch = len(chunks)
         static = self._get(next(b for b in self.buckets if b >= batch))
@@ -99,6 +101,8 @@ class DecodeGraphs:
             ctx_lens[i] = pos + 1
             tables[i, :n] = blocks[:n]
         static.buffer.copy_(host, non_blocking=True)
+        if fed is not None:  # input ids still on the device (async scheduling): rows align
+            static.buffer[:batch].copy_(fed)
         static.graph.replay()
         return static.logits[:batch], static.greedy[:batch]
 
@@ -139,7 +143,7 @@ class DecodeGraphs:
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(positions, meta, self.kv_caches, input_ids=ids)
             logits = self.model.compute_logits(hidden)
-            return logits, logits.argmax(dim=-1)
+            return logits, kernels.argmax_rows(logits)  # one SM per row in torch: slow for 128k vocabularies
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())

@@ -1,7 +1,11 @@
 """The engine: `add_request` / `step` over scheduler → model runner → sampler → detokenizer.
 
-    step():  schedule ─▶ runner.execute ─▶ append tokens, stop checks ─▶ outputs
-                                        └▶ prefix-cache registration, frees / handoff pins
+    step():  schedule ─▶ runner.launch ─▶ prefix-cache registration ─▶ runner.collect
+             ─▶ append tokens, stop checks ─▶ outputs, frees / handoff pins
+
+With async scheduling (step_pipeline.py) a decode step stays in flight while the
+next one is scheduled and launched; `step` then returns the tokens of the step
+before.
 
 Roles (see `EngineConfig.role`): an aggregated engine runs requests to the end;
 a prefill engine stops each request after its first token and keeps its blocks
@@ -21,28 +25,18 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine import step_pipeline as pipeline
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.parallel import ParallelState, init_parallel_state
-from splitserve.engine.request import GenerationResult, Request, RequestStatus
+from splitserve.engine.request import Request, RequestStatus
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.step_outputs import StepOutput, apply_results
 from splitserve.engine.stop import StopChecker
 from splitserve.engine.tokenizer import Tokenizer
-
-
-@dataclass(frozen=True)
-class StepOutput:
-    """One request's progress in one step."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    new_text: str
-    result: GenerationResult | None
-    """The request's state after the step; None for an unfinished request when the
-    engine's `snapshot_outputs` is off."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +82,16 @@ class Engine:
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()
+        self.async_scheduling = (
+            config.async_scheduling if config.async_scheduling is not None else self.runner.graphs is not None
+        )
+        """Keep a decode step in flight while the next is scheduled (`step_pipeline.py`)."""
+        if self.runner.states is not None:
+            # Hybrid: the recurrent state is cached under block hashes of the tokens a step
+            # processes, which must be real tokens, not the placeholders of a step run ahead.
+            self.async_scheduling = False
+        self._inflight: pipeline.Inflight | None = None
+        self._ready: list[StepOutput] = []
 
     # ---------------------------------------------------------------- inputs
     def next_request_id(self) -> str:
@@ -150,6 +154,10 @@ class Engine:
         new block table in `self.kv_caches`; blocks before that were found in our
         own prefix cache. Returns the number of blocks reused from the cache.
         """
+        # A step in flight may still write a dropped row's KV into blocks freed a step
+        # early (step_pipeline.py); a transport writes outside the device stream's order,
+        # so let that step finish before blocks are handed to an import.
+        self.flush()
         req = self._new_request(request_id, prompt_token_ids, params)
         try:
             self.scheduler.add_imported(req, first_token_id, import_kv)
@@ -174,48 +182,53 @@ class Engine:
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[StepOutput]:
+        """Run one step; return what requests produced. With async scheduling
+        (`step_pipeline.py`) a step returns the previous step's tokens while its
+        own are still on the device."""
         if self.ps.world_size == 1:
             # On a rank group, clocks differ per rank: the group's driver decides
             # expiry and broadcasts releases (see `EngineLoop`), keeping ranks in step.
             self.release_expired_handoffs()
-        started = time.monotonic()
+        outputs, self._ready = self._ready, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None and not pipeline.same_requests(self, prev):
+            outputs += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
+            prev = None
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if prev is not None:  # cannot happen (prev's requests are running); never lose tokens
+                outputs += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
+            return outputs
+        self._note_scheduled(out)
+        pending = self.runner.launch(out, feed=prev.pending if prev is not None else None)
+        if prev is not None:  # step N+1 is queued: now wait for step N's tokens
+            outputs += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
+        if pipeline.can_run_ahead(self, out):
+            pipeline.advance(out)
+            self._inflight = pipeline.Inflight(out, pending)
+            return outputs
+        for chunk in out.chunks:  # needs no sampled token: overlaps the device's step
+            if not chunk.request.status.is_finished:
+                self.scheduler.update_computed(chunk.request, chunk.start + chunk.num_tokens)
+        return outputs + self._apply(out, self.runner.collect(pending), ahead=False)
+
+    def flush(self) -> None:
+        """Collect a step still in flight (its outputs come with the next `step`)."""
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self._ready += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
+
+    def _note_scheduled(self, out) -> None:
+        started = time.monotonic()
         for chunk in out.chunks:
             req = chunk.request
             if not req.output_token_ids:  # a prompt chunk: the request's queue wait ends here
                 req.num_prefill_chunks += 1
                 if req.first_scheduled_time is None:
                     req.first_scheduled_time = started
-        pending = self.runner.launch(out)
-        for chunk in out.chunks:  # needs no sampled token: overlaps the device's step
-            self.scheduler.update_computed(chunk.request, chunk.start + chunk.num_tokens)
-        results = self.runner.collect(pending)
-        outputs = []
-        now = time.monotonic()
-        for chunk, res in zip(out.chunks, results, strict=True):
-            req = chunk.request
-            req.prompt_log_probs.extend(res.prompt_log_probs)
-            if res.sample is None:
-                continue
-            token = res.sample.token_id
-            req.output_token_ids.append(token)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            if req.params.return_log_probs:
-                req.generated_log_probs.append(res.sample.logprob)
-            if res.sample.top_n is not None:
-                req.top_n_logprobs.append(res.sample.top_n)
-            delta, status = self._stops[req.request_id].on_token(token)
-            if status is None and self.config.role == "prefill":
-                status = RequestStatus.HANDOFF
-            if status is not None:
-                self._finish(req, status, res.sample.logprob)
-            is_finished = req.status.is_finished
-            result = GenerationResult.from_request(req, is_finished) if is_finished or self.snapshot_outputs else None
-            outputs.append(StepOutput(req.request_id, (token,), delta, result))
-        return outputs
+
+    def _apply(self, out, results, ahead: bool) -> list[StepOutput]:
+        return apply_results(self, out, results, ahead)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request wherever it is and free its blocks. False if unknown."""
@@ -271,6 +284,7 @@ class Engine:
     # ------------------------------------------------------------ inspection
     def check_integrity(self) -> None:
         """Pool invariant plus: every in-use block is owned by a request or a pin."""
+        self.flush()
         self.pool.check_integrity()
         owned: dict[int, int] = {}
         for req in self.scheduler.running:

@@ -27,15 +27,19 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.handoff_checksums import (  # noqa: F401 - re-exported: part of the handoff API
+    PRIME,
+    pack_checksums,
+    partial_block_checksums,
+)
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats
-
-PRIME = (1 << 31) - 1
 
 
 class HandoffStage(enum.Enum):
@@ -59,6 +63,9 @@ class RankEndpoint:
     rank: int
     address: str
     agent_metadata: bytes
+    state_metadata: bytes = b""
+    """Hybrid models: where the rank's recurrent-state tensors are (`state_handoff.expose_state`);
+    it travels in the descriptor's `StateHandoff.endpoints`, not with the KV endpoint."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +84,12 @@ class HandoffDescriptor:
     block_checksums: tuple[int, ...]
     first_token_logprob: float | None = None
     first_token_top_logprobs: dict[int, float] = field(default_factory=dict)
+    state: Any = None
+    """Hybrid models: the request's recurrent state (`state_handoff.StateHandoff`), moved
+    and verified with the KV by `make_importer`; None for attention-only models."""
+    progress_slot: int | None = None
+    """Layer-wise streaming (`TransferConfig.layerwise`): the row of every source rank's progress
+    board that tracks this request (transfer/progress.py); None: pull everything at once."""
 
     def __post_init__(self) -> None:
         if self.num_tokens < 1:
@@ -88,6 +101,8 @@ class HandoffDescriptor:
             raise ValueError(f"{self.num_tokens} tokens need {num_blocks} blocks per rank")
         if len(self.block_checksums) != num_blocks:
             raise ValueError(f"{len(self.block_checksums)} block checksums for {num_blocks} blocks")
+        if self.progress_slot is not None and self.progress_slot < 0:
+            raise ValueError(f"progress_slot must be >= 0 or None, got {self.progress_slot!r}")
 
 
 def engine_layout(engine) -> KVLayout:
@@ -95,15 +110,18 @@ def engine_layout(engine) -> KVLayout:
     cfg, ps = engine.model_config, engine.ps
     from splitserve.engine.parallel import stage_layer_range
 
+    stages = tuple(stage_layer_range(cfg.num_layers, ps.pp_size, s) for s in range(ps.pp_size))
+    if getattr(cfg, "is_hybrid", False):  # only attention layers have KV: ranges over those
+        stages = tuple(cfg.kv_layer_range(start, end) for start, end in stages)
     return KVLayout(
         dtype=str(engine.runner.dtype).removeprefix("torch."),
         block_size=engine.block_size,
         tp=ps.tp_size,
         pp=ps.pp_size,
-        num_layers=cfg.num_layers,
+        num_layers=stages[-1][1],
         num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim,
-        layer_ranges=tuple(stage_layer_range(cfg.num_layers, ps.pp_size, s) for s in range(ps.pp_size)),
+        layer_ranges=stages,
     )
 
 
@@ -124,49 +142,6 @@ def model_fingerprint(model_dir: str) -> str:
     return digest.hexdigest()[:32]
 
 
-# ------------------------------------------------------------------ checksums
-def _words(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int16).to(torch.int64) & 0xFFFF
-
-
-def partial_block_checksums(
-    kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int, block_ids: Sequence[int]
-) -> torch.Tensor:
-    """This rank's share of the block checksums: int64 [len(block_ids), 2] (s1, s2), each < PRIME.
-
-    Only the primary holder of a replicated head counts it, so summing the
-    partials of all ranks gives every unit exactly once.
-    """
-    tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
-    h0, h1 = layout.heads_of(tp_rank)
-    heads = [h for h in range(h0, h1) if layout.is_primary(tp_rank, h)]
-    device = kv_tensors[0].device if kv_tensors else torch.device("cpu")
-    total = torch.zeros(len(block_ids), 2, dtype=torch.int64, device=device)
-    if not heads or not block_ids:
-        return total
-    idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
-    local = torch.as_tensor([h - h0 for h in heads], dtype=torch.long, device=device)
-    layer_start = layout.layer_ranges[pp_rank][0]
-    for i, t in enumerate(kv_tensors):
-        x = t.index_select(1, idx).index_select(2, local)  # [2, n, h, bs, d]
-        words = _words(x.permute(1, 2, 0, 3, 4)).reshape(len(block_ids), len(heads), -1)  # [n, h, W]
-        weights = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=device)
-        s1 = words.sum(-1) % PRIME  # [n, h]
-        s2 = ((words * weights) % PRIME).sum(-1) % PRIME
-        layer = layer_start + i
-        mult = torch.as_tensor([layer * layout.num_kv_heads + h + 1 for h in heads], dtype=torch.int64, device=device)
-        total[:, 0] += (s1 * mult % PRIME).sum(-1)
-        total[:, 1] += (s2 * mult % PRIME).sum(-1)
-        total %= PRIME
-    return total
-
-
-def pack_checksums(sums: torch.Tensor) -> tuple[int, ...]:
-    """[n, 2] (mod PRIME) -> one uint64 per block."""
-    s = (sums % PRIME).tolist()
-    return tuple((a << 32) | b for a, b in s)
-
-
 def group_block_checksums(engine, block_ids: Sequence[int]) -> tuple[int, ...]:
     """Block checksums of the whole group (collective: call on every rank)."""
     partial = partial_block_checksums(engine.kv_caches, engine_layout(engine), engine.ps.rank, block_ids)
@@ -183,6 +158,7 @@ def build_descriptor(
     transport_kind: str,
     checksums: tuple[int, ...],
     top_logprobs: dict[int, float] | None = None,
+    progress_slot: int | None = None,
 ) -> HandoffDescriptor:
     """Descriptor for a pinned handoff of `engine` (rank 0 of the prefill group)."""
     layout = engine_layout(engine)
@@ -200,6 +176,7 @@ def build_descriptor(
         block_checksums=checksums,
         first_token_logprob=handoff.first_token_logprob,
         first_token_top_logprobs=dict(top_logprobs or {}),
+        progress_slot=progress_slot,
     )
 
 
@@ -211,12 +188,22 @@ since a two-sided transport (torch_dist) needs all of them. Raises TransferError
 
 
 def pull_step(engine, transport: KVTransport, desc: HandoffDescriptor, timeout_s: float = 30.0) -> TransferStep:
-    """The transfer step of a pull transport (NIXL, in-process): read this rank's ops from the sources."""
+    """The transfer step of a pull transport (NIXL, shm, in-process): read this rank's ops from the
+    sources — layer by layer (transfer/streaming.py) when the descriptor names a progress slot and
+    this engine has `transfer.layerwise` on."""
     remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
+
+    is_streamed = desc.progress_slot is not None and engine.config.transfer.layerwise
 
     def step(plan: TransferPlan, dst_block_ids: list[int]) -> TransferStats:
         if not plan.ops_for_dst(engine.ps.rank):
             return TransferStats(0, 0.0, 0)
+        if is_streamed:  # layer by layer as the boards show them; units verified per layer
+            from splitserve.engine.transfer.progress import request_tag
+            from splitserve.engine.transfer.streaming import StreamSpec, streamed_pull
+
+            spec = StreamSpec(desc.progress_slot, request_tag(desc.request_id), desc.num_tokens)
+            return streamed_pull(transport, plan, engine.ps.rank, remote, engine.kv_caches, spec, timeout_s)
         return transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
 
     return step
@@ -229,6 +216,8 @@ def make_importer(
     timeout_s: float = 30.0,
     stats_out: list | None = None,
     transfer: TransferStep | None = None,
+    state_step: Callable | None = None,
+    request_id: str | None = None,
 ) -> Callable[[list[int], int], None]:
     """The `import_kv(block_ids, first_block)` callback for `Engine.add_imported_request`.
 
@@ -242,6 +231,16 @@ def make_importer(
 
         return make_sim_importer(engine, desc, timeout_s, stats_out)
     step = transfer if transfer is not None else pull_step(engine, transport, desc, timeout_s)
+    # Hybrid models: the recurrent state moves and is verified with the KV (state_handoff.py);
+    # `state_step` moves it (default: pulled over `transport`), into the slot of `request_id`.
+    has_state = getattr(engine.runner, "states", None) is not None
+    if has_state:
+        import dataclasses
+
+        from splitserve.engine.state_handoff import import_state, pull_state_step, verify_state
+
+        state_desc = desc if request_id in (None, desc.request_id) else dataclasses.replace(desc, request_id=request_id)
+        move_state = state_step if state_step is not None else pull_state_step(engine, transport, desc, timeout_s)
 
     def import_kv(block_ids: list[int], first_block: int) -> None:
         dst = engine_layout(engine)
@@ -257,6 +256,8 @@ def make_importer(
             stage = HandoffStage.TRANSFERRING
             if plan.ops:  # the same on every rank: all of them call the step, or none
                 stats = step(plan, list(block_ids))
+            if has_state:
+                state_partial = import_state(engine, state_desc, move_state)
             stage = HandoffStage.VERIFYING
             partial = partial_block_checksums(engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
         except Exception as exc:  # vote below; every rank must reach the collectives
@@ -266,6 +267,8 @@ def make_importer(
                 raise TransferError(f"handoff {desc.request_id}: a peer rank failed its part of the pull")
             kind = type(error) if isinstance(error, TransferError) else TransferError
             raise kind(f"handoff {desc.request_id}: {stage.value} failed: {error}") from error
+        if has_state:
+            verify_state(engine, desc, state_partial)
         if engine.ps.world_size > 1:
             dist.all_reduce(partial)
         got = pack_checksums(partial)

@@ -8,18 +8,22 @@ stage, not from this rank's own layers.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from splitserve.engine.config import CacheConfig
 from splitserve.engine.models.config import ModelConfig
-from splitserve.engine.parallel import ParallelState, kv_heads_of_rank
+from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
 
 def bytes_per_block(model: ModelConfig, ps: ParallelState, cache: CacheConfig, dtype: torch.dtype) -> int:
     """Bytes one block costs on the rank with the most layers."""
-    max_stage_layers = math.ceil(model.num_layers / ps.pp_size)
+    max_stage_layers = max(
+        end - start
+        for start, end in (
+            model.kv_layer_range(*stage_layer_range(model.num_layers, ps.pp_size, s)) for s in range(ps.pp_size)
+        )
+    )
+    max_stage_layers = max(1, max_stage_layers)
     start, end = kv_heads_of_rank(model.num_kv_heads, ps.tp_size, ps.tp_rank)
     elem = torch.empty((), dtype=dtype).element_size()
     return max_stage_layers * 2 * (end - start) * cache.block_size_tokens * model.head_dim * elem

@@ -22,6 +22,7 @@ from splitserve.engine.models.loader import load_weights
 
 
 def suspend(engine) -> None:
+    engine.flush()  # no request may hold a placeholder token when it is preempted
     for request_id in list(engine.handoffs):
         engine.release_handoff(request_id)
     engine.scheduler.preempt_all()

@@ -17,7 +17,13 @@ import concurrent.futures
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from splitserve.engine.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from splitserve.engine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    TransferConfig,
+)
 from splitserve.engine.engine import Engine
 from splitserve.engine.request import GenerationResult
 from splitserve.engine.sampling_params import SamplingParams
@@ -33,7 +39,7 @@ def _default_model() -> str:
 
 def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Route flat keyword arguments (`block_size_tokens=`, `max_tokens=`, ...) to their config."""
-    groups: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}}
+    groups: dict[type, dict[str, Any]] = {CacheConfig: {}, SchedulerConfig: {}, ParallelConfig: {}, TransferConfig: {}}
     top: dict[str, Any] = {}
     for key, value in kwargs.items():
         for cls, bucket in groups.items():
@@ -49,6 +55,7 @@ def build_engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig
         cache=CacheConfig(**groups[CacheConfig]),
         scheduler=SchedulerConfig(**groups[SchedulerConfig]),
         parallel=ParallelConfig(**groups[ParallelConfig]),
+        transfer=TransferConfig(**groups[TransferConfig]),
         **top,
     )
 

@@ -14,6 +14,7 @@ import torch
 
 from splitserve.engine.batch import prepare_inputs
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.device_sampler import draw_on_device
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
@@ -57,8 +58,12 @@ class PendingStep:
     hidden: torch.Tensor | None = None
     """Last stage, eager: the hidden states of the step's tokens."""
     logits: torch.Tensor | None = None
-    """CUDA graph: one logits row per sequence, and their argmax in `greedy`."""
+    """Decode steps: one logits row per sequence (a graph's buffer: valid only until
+    that graph replays again), their argmax on the device (`greedy`) and its host
+    copy (`greedy_host`, complete once `ready` has fired)."""
     greedy: torch.Tensor | None = None
+    greedy_host: torch.Tensor | None = None
+    ready: torch.cuda.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -130,14 +135,19 @@ class ModelRunner:
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def launch(self, out: SchedulerOutput) -> PendingStep:
+    def launch(self, out: SchedulerOutput, feed: PendingStep | None = None) -> PendingStep:
         """Queue the step's forward on the device; `collect` samples from it. On a
-        GPU the two are apart so the engine can do token-independent bookkeeping
-        (prefix-cache registration) while the step runs."""
+        GPU the two are apart so the engine can do host work while the step runs.
+
+        `feed`: the previous step, still in flight, whose greedy tokens are this
+        decode-only step's input ids, row for row (async scheduling)."""
+        fed = feed.greedy[: len(out.chunks)] if feed is not None else None
         if self.graphs is not None and self.graphs.can_run(out):
-            logits, greedy = self.graphs.launch(out)
-            return PendingStep(out, logits=logits, greedy=greedy)
+            logits, greedy = self.graphs.launch(out, fed)
+            return self._decode_pending(out, logits, greedy)
         inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device)
+        if fed is not None:
+            inputs.input_ids[: len(fed)].copy_(fed)
         hidden = None
         if not self.ps.is_first_stage:
             hidden = self.ps.recv_prev((len(inputs.input_ids), self._hidden_size), self.dtype, self.device)
@@ -152,7 +162,25 @@ class ModelRunner:
         if not self.ps.is_last_stage:
             self.ps.send_next(hidden)
             return PendingStep(out)
+        if self.ps.is_driver and inputs.meta.is_decode_only and not any(
+            c.request.wants_prompt_log_probs for c in out.chunks
+        ):
+            logits = self.model.compute_logits(hidden)
+            return self._decode_pending(out, logits, logits.argmax(dim=-1))
         return PendingStep(out, hidden=hidden)
+
+    def _decode_pending(self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor) -> PendingStep:
+        """A decode step's logits (one row per sequence) and argmax, with the argmax
+        on its way to the host now, so `collect` waits for this step only — not
+        for a later one queued behind it."""
+        greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
+        if greedy.device.type != "cuda":
+            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy)
+        host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
+        host.copy_(greedy, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready)
 
     @torch.inference_mode()
     def collect(self, step: PendingStep) -> list[ChunkResult]:
@@ -160,8 +188,10 @@ class ModelRunner:
         results = None
         if self.ps.is_driver:
             if step.logits is not None:
+                if step.ready is not None:
+                    step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
-                results = self._sample_logits(step.out, step.logits, spans, step.greedy)
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host)
             elif step.hidden is not None:
                 results = self._sample(step.out, step.hidden)
         return self.ps.broadcast_from_driver(results)
@@ -190,13 +220,16 @@ class ModelRunner:
         if greedy is None and logits is not None:
             greedy = logits.argmax(dim=-1)
         greedy = greedy.tolist() if greedy is not None else []
+        drawn = draw_on_device(out.chunks, logits, spans, self.row_seed) if logits is not None else {}
         results = []
-        for chunk, (first, last) in zip(out.chunks, spans, strict=True):
+        for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
             sample = None
             params = req.params
             if chunk.is_sample and params.is_greedy and not params.return_log_probs and not params.top_n_logprobs:
                 sample = SampleResult(greedy[last - 1])
+            elif i in drawn:
+                sample = SampleResult(drawn[i])
             elif chunk.is_sample:
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode)
             plp: list[float] = []
@@ -215,6 +248,10 @@ class ModelRunner:
         one engine."""
         if req.params.is_greedy:
             return None
+        return make_generator(self.row_seed(req), self.device)
+
+    def row_seed(self, req: Request) -> int:
+        """The seed of `req`'s next token: (request seed, output position) mixed."""
         seed = req.params.seed
         if seed is None:
             seed = self._base_seeds.get(req.request_id)
@@ -222,8 +259,7 @@ class ModelRunner:
                 seed = self._base_seeds[req.request_id] = int(
                     torch.randint(0, 2**62, (1,), generator=self._seed_source)
                 )
-        mixed = (seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
-        return make_generator(mixed, self.device)
+        return (seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
     def forget(self, request_id: str) -> None:
         self._base_seeds.pop(request_id, None)

@@ -18,7 +18,6 @@ tests use a `file://` init method so nothing binds a public port).
 
 from __future__ import annotations
 
-import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,16 +106,6 @@ class ParallelState:
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=0)
         return out
-
-    def check_same_everywhere(self, obj: Any) -> None:
-        """Debug helper: raise if ranks disagree on `obj` (schedule divergence)."""
-        if self.world_size == 1:
-            return
-        mine = pickle.dumps(obj)
-        gathered: list[Any] = [None] * self.world_size
-        dist.all_gather_object(gathered, mine)
-        if any(g != mine for g in gathered):
-            raise RuntimeError("ranks of one engine diverged")
 
 
 def init_parallel_state(config: ParallelConfig) -> ParallelState:

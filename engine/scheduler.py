@@ -57,6 +57,9 @@ class Scheduler:
         self.block_size = block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_limit: Callable[[list], int] | None = None
+        """Hybrid models: `prefix_limit(hit_block_hashes)` -> how many of the KV prefix-hit
+        blocks may be used (up to the deepest block boundary with a cached recurrent state)."""
 
     # ------------------------------------------------------------- admission
     def add(self, req: Request) -> None:
@@ -181,6 +184,8 @@ class Scheduler:
         # Leave at least one token to compute: its logits give the next token.
         max_blocks = (req.num_tokens - 1) // self.block_size
         hits = self.pool.lookup(req.block_hashes[:max_blocks])
+        if self.prefix_limit is not None and hits:
+            hits = hits[: self.prefix_limit(req.block_hashes[: len(hits)])]
         self.pool.num_queries += max_blocks
         self.pool.num_hits += len(hits)
         return hits

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.engine import fault_injection
 from splitserve.engine.engine import Engine, StepOutput
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,8 @@ class EngineLoop:
                 if self._apply_all(commands, futures):
                     return
                 if engine.has_unfinished() and not self.is_paused:  # same on every rank: same state
+                    if fault_injection.should_crash():  # test hook (tests/integration/test_worker_crash.py)
+                        raise RuntimeError("fault injection: the engine loop crashes")
                     outputs = engine.step()
                     if self.after_step is not None:
                         self.after_step(engine, outputs)

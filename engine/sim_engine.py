@@ -145,6 +145,8 @@ class SimRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs = None
         """No CUDA graphs to reset (engine/lifecycle.py asks)."""
+        self.states = None
+        """No recurrent state (hybrid models are served as their KV shape only)."""
         self.sleep = sleep
         self.num_steps = 0
         self.busy_s = 0.0
@@ -155,6 +157,13 @@ class SimRunner:
         num_prefill = sum(c.num_tokens for c in out.chunks if not _is_decode(c))
         decoding = any(_is_decode(c) for c in out.chunks)
         return num_prefill / self.sim.prefill_tokens_per_s + (self.sim.decode_step_s if decoding else 0.0)
+
+    def launch(self, out: SchedulerOutput, feed=None) -> SchedulerOutput:
+        """The real runner's launch/collect pair (engine.py); nothing runs ahead here."""
+        return out
+
+    def collect(self, out: SchedulerOutput) -> list[ChunkResult]:
+        return self.execute(out)
 
     def execute(self, out: SchedulerOutput) -> list[ChunkResult]:
         start = time.monotonic()
@@ -251,6 +260,9 @@ class SimEngine:
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()
+        self.async_scheduling = False  # no device to overlap with
+        self._inflight = None
+        self._ready: list = []
         self.fingerprint = "sim-" + hashlib.sha256(repr(model_config).encode()).hexdigest()[:28]
         """Model identity in handoff descriptors: equal for sim engines of one shape and vocabulary,
         never equal to a real engine's `model_fingerprint`, so a real decode worker refuses our handoffs."""
@@ -267,6 +279,9 @@ class SimEngine:
     add_imported_request = Engine.add_imported_request
     has_unfinished = Engine.has_unfinished
     step = Engine.step
+    flush = Engine.flush
+    _note_scheduled = Engine._note_scheduled
+    _apply = Engine._apply
     abort = Engine.abort
     _finish = Engine._finish
     _forget = Engine._forget

@@ -17,9 +17,16 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         default="nixl",
-        choices=["nixl", "torch_dist", "cuda_ipc", "inproc"],
-        help="KV transport (default nixl over UCX); cuda_ipc: same-host GPUs, the decode side maps the prefill pool; torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
+        choices=["nixl", "torch_dist", "cuda_ipc", "shm", "inproc"],
+        help="KV transport (default nixl over UCX); cuda_ipc: same-host GPUs, the decode side maps the prefill pool; shm: same-host CPU pools, "
+        "the decode side maps the prefill pool from shared memory; torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
         "group of the pair, same host only, both workers must use it",
+    )
+    p.add_argument(
+        "--layerwise",
+        action="store_true",
+        help="layer-wise KV streaming (engine/config.py TransferConfig.layerwise): prefill publishes each layer's readiness "
+        "on a progress board, decode pulls layer by layer (nixl, shm, inproc)",
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")
@@ -57,6 +64,7 @@ def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
         max_tokens=args.max_tokens,
         max_requests=args.max_requests,
         handoff_lease_s=args.handoff_lease_s,
+        layerwise=args.layerwise,
     )
     return WorkerSpec(
         model=args.model,

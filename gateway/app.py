@@ -51,7 +51,8 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        options = ClientOptions(timeout_s=config.request_timeout_s, max_attempts=2)
+        options = ClientOptions(timeout_s=config.request_timeout_s, max_attempts=2, tls=config.router_tls,
+                                max_message_bytes=config.max_grpc_message_bytes)  # fmt: skip
         client = AsyncClient(config.router, options=options)
         app.state.ctx = ServingContext(config, model, client, TokenTexts(model.tokenizer), metrics)
         try:
@@ -133,6 +134,11 @@ async def _generate(request: Request, ctx: ServingContext, request_type, run_typ
     started = time.monotonic()
     endpoint, status = run_type.endpoint, 200
     metrics = ctx.metrics
+    if ctx.num_in_flight >= ctx.config.max_in_flight:  # before reading the body: bounded memory
+        metrics.requests.labels(endpoint, "429").inc()
+        return APIError(429, f"the gateway is at capacity ({ctx.num_in_flight} requests in flight); retry later",
+                        code="overloaded").response()  # fmt: skip
+    ctx.num_in_flight += 1
     metrics.running.inc()
     is_streaming = False
     try:
@@ -162,6 +168,7 @@ async def _generate(request: Request, ctx: ServingContext, request_type, run_typ
         return Response(status_code=STATUS_CLIENT_CLOSED)
     finally:
         if not is_streaming:  # a stream counts itself when it ends
+            ctx.num_in_flight -= 1
             metrics.running.dec()
             metrics.requests.labels(endpoint, str(status)).inc()
             metrics.request_seconds.labels(endpoint).observe(time.monotonic() - started)
@@ -177,6 +184,14 @@ async def _stream(request: Request, run, started: float) -> Response:
         await events.aclose()
         raise
     metrics.ttft_seconds.labels(endpoint).observe(time.monotonic() - started)
+    is_released = False
+
+    def release() -> None:  # once: from the stream's end, or the response's if the stream never started
+        nonlocal is_released
+        if not is_released:
+            is_released = True
+            run.ctx.num_in_flight -= 1
+            metrics.running.dec()
 
     async def body():
         status = "200"
@@ -197,11 +212,11 @@ async def _stream(request: Request, run, started: float) -> Response:
             raise
         finally:
             await events.aclose()
-            metrics.running.dec()
+            release()
             metrics.requests.labels(endpoint, status).inc()
             metrics.request_seconds.labels(endpoint).observe(time.monotonic() - started)
 
-    return EventStreamResponse(body(), headers={"X-Request-Id": run.id})
+    return EventStreamResponse(body(), headers={"X-Request-Id": run.id}, on_close=release)
 
 
 def _unknown_model(name: str, served: str) -> APIError:

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from splitserve import grpc_security
+from splitserve.client.options import TLSConfig
 from splitserve.gateway.config import DEFAULT_MAX_BODY_BYTES, GatewayConfig
 from splitserve.telemetry import init_process
 
@@ -56,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default %(default)s)")
     add("--request-timeout", type=float, default=600.0, metavar="SECONDS",
         help="deadline of one generation (default %(default)s)")
+    add("--max-in-flight", type=int, default=1024, metavar="N",
+        help="generation requests handled at once; more get 429 with Retry-After (default %(default)s)")
     add("--access-log", action="store_true", help="log every HTTP request")
     add("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         help="log level (default %(default)s)")  # fmt: skip
@@ -68,8 +72,20 @@ def config_from_args(args: argparse.Namespace) -> GatewayConfig:
         host=args.host, port=args.port, api_keys=tuple(keys), max_body_bytes=args.max_body_bytes,
         max_model_len=None if args.max_model_len is None else int(args.max_model_len),
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        request_timeout_s=args.request_timeout,
+        request_timeout_s=args.request_timeout, max_in_flight=args.max_in_flight,
+        router_tls=router_tls(grpc_security.current()),
+        max_grpc_message_bytes=grpc_security.current().max_message_bytes,
     )  # fmt: skip
+
+
+def router_tls(security: grpc_security.GrpcSecurity) -> TLSConfig | None:
+    """The SDK's TLS settings from the process's --tls-* flags (the gateway is a client of the router)."""
+    tls = security.tls
+    if tls is None:
+        return None
+    present = tls.cert is not None
+    return TLSConfig(root_certificates=tls.ca, private_key=tls.key if present else None,
+                     certificate_chain=tls.cert if present else None)  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.client.options import TLSConfig
+
 DEFAULT_MAX_BODY_BYTES = 8 << 20
 
 
@@ -32,6 +34,12 @@ class GatewayConfig:
     """"hermes" parses <tool_call>{json}</tool_call> when a request has tools; "none" never parses."""
     request_timeout_s: float | None = 600.0
     """Deadline of one choice's Generate call; None = none."""
+    max_in_flight: int = 1024
+    """Generation requests handled at once; more get 429 + Retry-After at once (bounded memory)."""
+    router_tls: TLSConfig | None = None
+    """TLS (mutual with a client certificate) to the router; None = plaintext."""
+    max_grpc_message_bytes: int = 16 << 20
+    """Largest gRPC message to or from the router."""
 
     def __post_init__(self) -> None:
         if not self.router or ":" not in self.router:
@@ -48,5 +56,7 @@ class GatewayConfig:
             raise ValueError(f"tool_call_parser must be 'none' or 'hermes', got {self.tool_call_parser!r}")
         if any(not key for key in self.api_keys):
             raise ValueError("api_keys may not contain an empty key")
+        if isinstance(self.max_in_flight, bool) or not isinstance(self.max_in_flight, int) or self.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be an integer >= 1, got {self.max_in_flight!r}")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s!r}")

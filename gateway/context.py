@@ -19,3 +19,5 @@ class ServingContext:
     """Created inside the server's event loop (grpc.aio channels belong to one loop)."""
     token_texts: TokenTexts
     metrics: GatewayMetrics
+    num_in_flight: int = 0
+    """Generation requests being handled (bounded by config.max_in_flight); event-loop only."""

@@ -7,7 +7,7 @@ calls are cancelled, and the router aborts the request on every worker.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -30,8 +30,10 @@ class EventStreamResponse(StreamingResponse):
     a listener cancels the writer at once and the iterator is closed explicitly.
     """
 
-    def __init__(self, content, headers=None) -> None:
+    def __init__(self, content, headers=None, on_close: Callable[[], None] | None = None) -> None:
+        """`on_close` runs once the response is over, even if its iterator never started."""
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", **(headers or {})})
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -48,7 +50,11 @@ class EventStreamResponse(StreamingResponse):
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
         finally:
-            await self.body_iterator.aclose()
+            try:
+                await self.body_iterator.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

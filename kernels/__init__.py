@@ -1,4 +1,4 @@
-"""splitserve.kernels: Triton kernels for paged attention and KV writes.
+"""splitserve.kernels: Triton kernels for paged attention, KV writes and the Mamba2 (SSD) scan.
 
 Every kernel has a plain-torch reference in `reference.py` and a test comparing
 the two (tests/kernels/). Importing this package does not import triton (nor
@@ -21,9 +21,18 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "DecodePlan",
     "DecodeWorkspace",
+    "apply_rotary_qk",
+    "apply_rotary_qk_and_write_kv",
+    "argmax_rows",
+    "kv_block_sums",
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode",
+    "rms_norm",
+    "sample_rows",
+    "selective_state_update",
+    "silu_and_mul",
+    "ssd_chunk_scan",
     "triton_available",
     "write_kv",
 ]
@@ -35,13 +44,30 @@ _LAZY = {
     "paged_decode_attention": "paged_decode",
     "paged_prefill_attention": "paged_prefill",
     "write_kv": "kv_write",
+    "rms_norm": "norm",
+    "apply_rotary_qk": "rotary",
+    "apply_rotary_qk_and_write_kv": "rotary",
+    "argmax_rows": "argmax",
+    "kv_block_sums": "kv_checksum",
+    "sample_rows": "sampling",
+    "silu_and_mul": "activation",
+    "selective_state_update": "ssm_state_update",
+    "ssd_chunk_scan": "ssd_scan",
 }
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .activation import silu_and_mul
+    from .argmax import argmax_rows
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
+    from .kv_checksum import kv_block_sums
     from .kv_write import write_kv
+    from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention
+    from .rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv
+    from .sampling import sample_rows
+    from .ssd_scan import ssd_chunk_scan
+    from .ssm_state_update import selective_state_update
 
 
 def triton_available() -> bool:

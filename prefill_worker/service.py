@@ -16,6 +16,7 @@ import uuid
 
 import grpc
 
+from splitserve.engine import fault_injection
 from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.layout import layout_text
@@ -26,6 +27,7 @@ from splitserve.engine.wire import (
     push_from_proto,
     sampling_from_proto,
 )
+from splitserve.engine.worker_integrity import integrity_to_proto
 from splitserve.engine.worker_runtime import WorkerGroup
 from splitserve.prefill_worker.hooks import PrefillOutcome
 from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
@@ -106,6 +108,12 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         except RuntimeError as exc:  # the engine loop stopped
             self.state.waiters.pop(request_id, None)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if outcome.descriptor is not None:
+            try:
+                await fault_injection.hold("prefill", request_id)
+            except asyncio.CancelledError:  # the caller is gone: nobody will pull the pinned copy
+                self.loop.submit(Command("abort", request_id))
+                raise
         response = prefill_worker_pb2.PrefillResponse(num_cached_tokens=outcome.result.num_cached_tokens)
         if outcome.descriptor is not None:
             response.handoff.CopyFrom(descriptor_to_proto(outcome.descriptor))
@@ -160,6 +168,9 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
     async def GetBlockSet(self, request, context):  # noqa: N802
         return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
 
+    async def CheckIntegrity(self, request, context):  # noqa: N802
+        report = await self._submit(Command("integrity"))
+        return integrity_to_proto(report, num_in_flight=self.group.num_in_flight, is_draining=self.group.draining)
 
     async def PushKV(self, request, context):  # noqa: N802
         """torch_dist: answer once the "push" command has decided; it sends afterwards.

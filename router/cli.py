@@ -90,6 +90,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="requests one worker may have from this router (env SPLITSERVE_ROUTER_MAX_RUNNING_PER_WORKER; default %(default)s)")
     add("--topology-timeout", type=float, default=float(_env("TOPOLOGY_TIMEOUT", "30")), metavar="SECONDS",
         help="at start, how long to wait for the control plane's topology (env SPLITSERVE_ROUTER_TOPOLOGY_TIMEOUT; default %(default)s)")
+    add("--prefill-timeout", type=float, default=float(_env("PREFILL_TIMEOUT", "60")), metavar="SECONDS",
+        help="deadline of one Prefill call; past it the request is retried on another prefill worker "
+        "(env SPLITSERVE_ROUTER_PREFILL_TIMEOUT; default %(default)s)")
+    add("--decode-first-chunk-timeout", type=float, default=float(_env("DECODE_FIRST_CHUNK_TIMEOUT", "60")),
+        metavar="SECONDS", help="a Decode stream without output by then is retried on another decode worker "
+        "(env SPLITSERVE_ROUTER_DECODE_FIRST_CHUNK_TIMEOUT; default %(default)s)")
+    add("--decode-stall-timeout", type=float, default=float(_env("DECODE_STALL_TIMEOUT", "60")), metavar="SECONDS",
+        help="a Decode stream silent this long after its first tokens fails UNAVAILABLE "
+        "(env SPLITSERVE_ROUTER_DECODE_STALL_TIMEOUT; default %(default)s)")
+    add("--suspect-cooldown", type=float, default=float(_env("SUSPECT_COOLDOWN", "10")), metavar="SECONDS",
+        help="skip a worker this long after a call to it failed UNAVAILABLE or DEADLINE_EXCEEDED "
+        "(env SPLITSERVE_ROUTER_SUSPECT_COOLDOWN; default %(default)s; 0 = never)")
     add("--grace-period", type=float, default=float(_env("GRACE_PERIOD", "5")), metavar="SECONDS",
         help="on SIGTERM, how long running requests may go on (env SPLITSERVE_ROUTER_GRACE_PERIOD; default %(default)s)")
     add("--log-level", default=_env("LOG_LEVEL", "INFO"), choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -111,6 +123,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         ttft_slo_s=args.ttft_slo_s, prefill_tokens_per_s=args.prefill_tokens_per_s,
         max_running_per_worker=args.max_running_per_worker, topology_timeout_s=args.topology_timeout,
         grace_period_s=args.grace_period, metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+        prefill_timeout_s=args.prefill_timeout, decode_first_chunk_timeout_s=args.decode_first_chunk_timeout,
+        decode_stall_timeout_s=args.decode_stall_timeout, suspect_cooldown_s=args.suspect_cooldown,
     )  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from splitserve.router.approximate import RoutedPrefixes
 from splitserve.router.load import LoadTracker
 from splitserve.router.prefix_index import PrefixIndex
 from splitserve.router.snapshot import Snapshot, WorkerState
+from splitserve.router.suspects import SuspectList
 from splitserve.router.workers import WorkerEndpoint
 
 log = logging.getLogger(__name__)
@@ -65,10 +66,12 @@ class ClusterView:
         *,
         max_running_per_worker: int = 256,
         approximate_ttl_s: float | None = None,
+        suspect_cooldown_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`approximate_ttl_s`: index routed prompts with this TTL for workers that publish no
-        KV events (all of them when the subscriber is off); None = never."""
+        KV events (all of them when the subscriber is off); None = never. `suspect_cooldown_s`:
+        how long a worker whose call failed at the transport level is skipped (0 = never)."""
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.block_size = block_size
@@ -76,6 +79,8 @@ class ClusterView:
         self.index = PrefixIndex()
         self.load = LoadTracker()
         self.routed = None if approximate_ttl_s is None else RoutedPrefixes(self.index, approximate_ttl_s)
+        self.suspects = SuspectList(suspect_cooldown_s, clock)
+        """Workers that just failed a call (UNAVAILABLE / DEADLINE_EXCEEDED): skipped for a while."""
         self.uses_events = False
         """Set by the KV-event subscriber: workers with an endpoint are then indexed from their events."""
         self._clock = clock
@@ -109,7 +114,12 @@ class ClusterView:
                 continue
             self._rejected.discard(worker_id)
             accepted[worker_id] = worker
+        for worker_id, worker in accepted.items():
+            old = self._workers.get(worker_id)
+            if old is not None and old.lease_id != worker.lease_id:  # re-registered: a new or resumed process
+                self.suspects.forgive(worker_id)
         for worker_id in self._workers.keys() - accepted.keys():
+            self.suspects.forgive(worker_id)
             self.index.drop_worker(worker_id)
             if self.routed is not None:
                 self.routed.drop_worker(worker_id)
@@ -119,14 +129,18 @@ class ClusterView:
             listener(accepted)
 
     def snapshot(self, block_hashes: Sequence[BlockHash], prompt_len: int, exclude: frozenset[str] = frozenset()) -> Snapshot:
-        """The policy's input for a prompt with these block hashes; `exclude` = workers that already failed."""
+        """The policy's input for a prompt with these block hashes; `exclude` = workers that already
+        failed this request. Suspects are left out too, unless that would leave out their whole role."""
         if self.routed is not None:
             self.routed.expire(self._clock())
         depths = self.index.lookup(block_hashes)
         first = block_hashes[0] if block_hashes else b""
         pools: dict[Role, list[WorkerState]] = {Role.PREFILL: [], Role.DECODE: []}
-        for worker_id, worker in self._workers.items():
-            if worker.is_draining or worker_id in exclude:
+        candidates = {w: worker for w, worker in self._workers.items() if not worker.is_draining and w not in exclude}
+        suspects = self.suspects.current()
+        healthy_roles = {worker.role for w, worker in candidates.items() if w not in suspects}
+        for worker_id, worker in candidates.items():
+            if worker_id in suspects and worker.role in healthy_roles:
                 continue
             pools[worker.role].append(
                 WorkerState(

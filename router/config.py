@@ -52,6 +52,16 @@ class RouterConfig:
     """Deadline of one Prefill call."""
     decode_timeout_s: float = 600.0
     """Deadline of one whole Decode stream."""
+    decode_first_chunk_timeout_s: float = 60.0
+    """A Decode stream with no first chunk by then is cancelled and retried on another decode
+    worker (a hung worker: SIGSTOPped, deadlocked, or a lost connection nobody reset)."""
+    decode_stall_timeout_s: float = 60.0
+    """A Decode stream with no chunk for this long after its first one is cancelled and fails
+    UNAVAILABLE (tokens were sent, so it cannot be retried transparently)."""
+    suspect_cooldown_s: float = 10.0
+    """A worker whose call failed with UNAVAILABLE or DEADLINE_EXCEEDED is not routed to for
+    this long (unless every worker of its role is suspect); 0 = never skip. About one etcd
+    lease TTL: by then a dead worker has left the topology."""
     control_timeout_s: float = 5.0
     """Deadline of Abort and GetBlockSet calls."""
     topology_timeout_s: float = 30.0
@@ -78,9 +88,13 @@ class RouterConfig:
         if not isinstance(self.ttft_slo_s, int | float) or isinstance(self.ttft_slo_s, bool) or self.ttft_slo_s < 0:
             raise ValueError(f"ttft_slo_s must be a number >= 0, got {self.ttft_slo_s!r}")
         _check_positive("prefill_tokens_per_s", self.prefill_tokens_per_s, float)
-        for name in ("approximate_ttl_s", "prefill_timeout_s", "decode_timeout_s", "control_timeout_s", "topology_timeout_s"):
+        for name in ("approximate_ttl_s", "prefill_timeout_s", "decode_timeout_s", "control_timeout_s", "topology_timeout_s",
+                     "decode_first_chunk_timeout_s", "decode_stall_timeout_s"):
             _check_positive(name, getattr(self, name), float)
         if isinstance(self.metrics_port, bool) or not isinstance(self.metrics_port, int) or not 0 <= self.metrics_port < 65536:
             raise ValueError(f"metrics_port must be in [0, 65536), got {self.metrics_port!r}")
+        if not isinstance(self.suspect_cooldown_s, int | float) or isinstance(self.suspect_cooldown_s, bool) \
+                or self.suspect_cooldown_s < 0:
+            raise ValueError(f"suspect_cooldown_s must be a number >= 0, got {self.suspect_cooldown_s!r}")
         if not isinstance(self.grace_period_s, int | float) or self.grace_period_s < 0:
             raise ValueError(f"grace_period_s must be >= 0, got {self.grace_period_s!r}")

@@ -4,37 +4,34 @@
                  │ failed before the handoff: retry on another prefill worker
                  │ (all failed: serve aggregated, or fail with enforce_disagg)
                  ▼
-           Decode(decode worker, handoff) ─▶ relay tokens (the echoed first token is dropped)
-                 │ failed before its first chunk: retry on another decode worker, with the
-                 │ same handoff if the worker was unreachable and the pin is still leased,
-                 │ else recomputed there: prompt + first token, one token less to generate
+           Decode: decode_relay.py (relay, and its retries: same handoff, recompute, resume)
 
-Aggregated requests call Decode without a handoff (the decode worker
-prefills). Cancellation (client gone, or Router.Abort) sends Abort to every
-worker the request touched, so pinned blocks are freed at once. Admission is
-a bound on requests in flight: past it, OverloadedError before any work.
-All on one event loop; nothing is shared between router replicas.
+Aggregated requests call Decode without a handoff (the decode worker prefills).
+A Prefill call has a deadline; a worker that failed UNAVAILABLE or
+DEADLINE_EXCEEDED is skipped for a while (suspects.py). Cancellation (client
+gone, or Router.Abort) sends Abort to every worker the request touched, so
+pinned blocks are freed at once. Admission is a bound on requests in flight:
+past it, OverloadedError before any work. All on one event loop; nothing is
+shared between router replicas.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
 from opentelemetry import trace
 
 from splitserve.engine.block_hash import hash_blocks
+from splitserve.router.aborts import AbortSender
 from splitserve.router.admission import check_ttft_slo
 from splitserve.router.cluster_view import ClusterView
 from splitserve.router.config import RouterConfig
+from splitserve.router.decode_relay import DecodeRelay
 from splitserve.router.messages import (
-    DecodeTiming,
     FinishReason,
     GenerateRequest,
     OutputChunk,
@@ -47,11 +44,12 @@ from splitserve.router.policy import (
     NoWorkersError,
     OverloadedError,
     RoutingError,
-    choose_decode,
     choose_prefill,
     route,
 )
-from splitserve.router.request_run import RequestRun, continuation, is_handoff_reusable
+from splitserve.router.request_run import RequestRun
+from splitserve.router.request_telemetry import record_finished
+from splitserve.router.suspects import note_failure
 from splitserve.router.workers import WorkerEndpoint
 from splitserve.telemetry.logs import may_log_prompts
 from splitserve.telemetry.metrics import RouterMetrics
@@ -91,7 +89,8 @@ class Orchestrator:
         self._running: dict[str, RequestRun] = {}
         self._pending_prefill_tokens = 0
         """Prompt tokens of running requests that have no first token yet (admission model)."""
-        self._background: set[asyncio.Task] = set()
+        self._aborts = AbortSender(client, config.control_timeout_s)
+        self._decode = DecodeRelay(config, view, client, self.metrics, self._aborts)
 
     @property
     def num_in_flight(self) -> int:
@@ -134,6 +133,7 @@ class Orchestrator:
                 elif num_tokens and last_token_at is not None:
                     m.itl_seconds.observe((now - last_token_at) / num_tokens)
                 last_token_at = now if num_tokens else last_token_at
+                run.sent_token_ids.extend(chunk.tokens.token_ids)
                 yield chunk
                 if num_tokens and run.first_token_sent_at is None:
                     run.first_token_sent_at = time.monotonic()
@@ -152,20 +152,7 @@ class Orchestrator:
             del self._running[request.request_id]
             if not run.is_finished or run.is_aborted:  # cancelled, failed or abandoned: free what workers hold
                 self._abort_workers(run)
-            m.in_flight.dec()
-            m.requests.labels(outcome).inc()
-            m.cached_tokens.inc(run.num_cached_tokens)
-            if run.decode_timing is not None:
-                m.transfer_bytes.inc(run.decode_timing.transfer_bytes)
-            span.set_attributes({
-                "splitserve.request_id": request.request_id, "splitserve.outcome": outcome,
-                "splitserve.prompt_tokens": len(request.token_ids), "splitserve.completion_tokens": run.num_completion_tokens,
-                "splitserve.cache.predicted_tokens": run.predicted_cached_tokens,
-                "splitserve.cache.actual_tokens": run.num_cached_tokens,
-                "splitserve.prefill_worker": run.prefill_worker_id or "", "splitserve.decode_worker": run.decode_worker_id,
-                "splitserve.num_prefill_attempts": run.num_prefill_attempts,
-                "splitserve.num_decode_attempts": run.num_decode_attempts,
-            })  # fmt: skip
+            record_finished(m, span, run, outcome)
 
     def _admit_by_ttft(self, num_prompt_tokens: int) -> None:
         try:
@@ -189,8 +176,7 @@ class Orchestrator:
 
     async def close(self) -> None:
         """Waits (briefly) for the Abort calls still in the background."""
-        if self._background:
-            await asyncio.wait(self._background, timeout=self._config.control_timeout_s)
+        await self._aborts.wait()
 
     # ------------------------------------------------------------------- flow
     async def _generate(self, run: RequestRun) -> AsyncIterator[OutputChunk]:
@@ -225,7 +211,7 @@ class Orchestrator:
                 yield self._last(run, result.first, result.finish_reason)
                 return
             yield OutputChunk(result.first)
-        async for chunk in self._decode(run, result):
+        async for chunk in self._decode.relay(run, result):
             yield chunk
 
     def _snapshot(self, run: RequestRun, exclude: frozenset[str] = frozenset()):
@@ -262,6 +248,7 @@ class Orchestrator:
                     return None
                 if e.is_request_error:
                     raise
+                note_failure(self._view.suspects, e)
                 log.warning("request %s: %s; retrying prefill elsewhere", run.request.request_id, e)
                 self.metrics.retries.labels("prefill").inc()
                 failed.add(e.worker_id)
@@ -281,131 +268,19 @@ class Orchestrator:
         run.reason += "; serving aggregated"
         return None
 
-    async def _decode(self, run: RequestRun, prefill: PrefillResult | None) -> AsyncIterator[OutputChunk]:
-        request, handoff = run.request, prefill.handoff if prefill else None
-        prefill_worker = self._view.worker(run.prefill_worker_id) if run.prefill_worker_id else None
-        failed: set[str] = set()
-        while True:
-            worker = self._view.worker(run.decode_worker_id)
-            run.num_decode_attempts += 1
-            has_output = False
-            span, ctx = start_client_span("router.decode", {
-                "splitserve.worker": run.decode_worker_id, "splitserve.attempt": run.num_decode_attempts,
-                "splitserve.handoff": handoff is not None,
-            })  # fmt: skip
-            try:
-                if worker is None:
-                    raise WorkerCallError(run.decode_worker_id, "Decode", grpc.StatusCode.UNAVAILABLE, "left the topology")
-                run.touched[worker.worker_id] = worker
-                if handoff is None:
-                    self._view.record_routed(worker.worker_id, run.hashes)
-                started = time.monotonic()
-                with attached(ctx):
-                    call = self._client.decode(
-                        worker, request, handoff, prefill_worker.address if handoff and prefill_worker else None,
-                        self._config.decode_timeout_s,
-                    )  # fmt: skip
-                needs_strip = handoff is not None
-                is_first = True
-                with self._view.load.track(worker.worker_id), contextlib.closing(_Closer(call.cancel)):
-                    async for output in call:
-                        if is_first:
-                            is_first = False
-                            span.add_event(FIRST_MESSAGE)
-                            run.decode_first_chunk_ms = (time.monotonic() - started) * 1e3
-                            if prefill is None:
-                                run.first_token_in_hand_at = time.monotonic()
-                        if output.timing is not None:
-                            run.decode_timing = output.timing
-                            _transfer_attributes(span, output.timing)
-                        tokens = output.tokens
-                        if needs_strip and tokens.token_ids:
-                            tokens, needs_strip = tokens.drop_first(), False  # the prefill's token, already sent
-                            self._view.record_routed(worker.worker_id, run.hashes)
-                        if prefill is None and output.num_cached_tokens:
-                            run.num_cached_tokens = output.num_cached_tokens
-                        run.num_completion_tokens += len(tokens.token_ids)
-                        if output.finish_reason is not None:
-                            yield self._last(run, tokens, output.finish_reason)
-                            return
-                        if tokens.token_ids:
-                            has_output = True
-                            yield OutputChunk(tokens)
-                raise WorkerCallError(worker.worker_id, "Decode", grpc.StatusCode.INTERNAL, "stream ended without a finish reason")
-            except WorkerCallError as e:
-                mark_error(span, e)
-                if has_output or e.is_request_error:
-                    raise
-                if run.is_aborted:
-                    yield self._last(run, Tokens(), FinishReason.ABORT)
-                    return
-                log.warning("request %s: %s; retrying decode elsewhere", request.request_id, e)
-                self.metrics.retries.labels("decode").inc()
-                failed.add(e.worker_id)
-                if worker is not None:
-                    self._abort_worker(worker, request.request_id)
-                    run.touched.pop(worker.worker_id, None)
-                pick = choose_decode(self._snapshot(run, frozenset(failed)), self._config.policy.transfer_weight)
-                if pick is None or run.num_decode_attempts >= self._config.max_decode_attempts:
-                    raise
-                run.decode_worker_id = pick.worker_id
-                run.reason += f"; decode on {e.worker_id} failed ({e.code.name})"
-                if handoff is not None and not is_handoff_reusable(e.code, prefill.lease_deadline_unix_ms, time.time() * 1e3):
-                    if request.sampling_params.num_tokens_to_generate <= 1:
-                        yield self._last(run, Tokens(), FinishReason.LENGTH)
-                        return
-                    request, handoff = self._continuation(run, prefill), None
-                    run.reason += ", recomputing on the next decode worker"
-            finally:
-                span.end()
-
     # ---------------------------------------------------------------- helpers
     def _enforce_disagg(self, run: RequestRun) -> bool:
         override = run.request.enforce_disagg
         return self._config.policy.enforce_disagg if override is None else override
 
-    def _continuation(self, run: RequestRun, prefill: PrefillResult) -> GenerateRequest:
-        """Recompute on the next decode worker: the pinned copy will not be pulled, so unpin it."""
-        prefill_worker = run.touched.pop(run.prefill_worker_id, None) if run.prefill_worker_id else None
-        if prefill_worker is not None:
-            self._abort_worker(prefill_worker, run.request.request_id)
-        return continuation(run.request, prefill.first)
-
     def _last(self, run: RequestRun, tokens: Tokens, finish_reason: FinishReason) -> OutputChunk:
         return run.last_chunk(tokens, finish_reason, time.monotonic())
 
     def _abort_workers(self, run: RequestRun) -> None:
-        for worker in run.touched.values():
-            self._abort_worker(worker, run.request.request_id)
+        self._aborts.send_all(run.touched.values(), run.request.request_id)
 
     def _abort_worker(self, worker: WorkerEndpoint, request_id: str) -> None:
-        """Sends Abort in the background: it must survive the cancellation of the request's task."""
-
-        async def call() -> None:
-            try:
-                await self._client.abort(worker, request_id, self._config.control_timeout_s)
-            except WorkerCallError as e:
-                log.info("Abort of %s on %s failed: %s", request_id, worker.worker_id, e)
-
-        task = asyncio.create_task(call(), name=f"abort-{request_id}-{worker.worker_id}")
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._aborts.send(worker, request_id)
 
 
 _REJECTION_REASONS = {OverloadedError: "overloaded", NoWorkersError: "no_workers", DisaggRequiredError: "disagg_required"}
-
-
-def _transfer_attributes(span, timing: DecodeTiming) -> None:
-    """The decode worker's measured KV transfer, on the router's Decode span too."""
-    if timing.transport:
-        span.set_attributes({
-            "splitserve.kv.bytes": timing.transfer_bytes, "splitserve.kv.seconds": timing.transfer_seconds,
-            "splitserve.kv.transport": timing.transport,
-        })  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Closer:
-    """Cancels a decode call when its block is left, early (client gone, error) or not (a no-op then)."""
-
-    close: Callable[[], None]

@@ -47,6 +47,8 @@ class RequestRun:
     num_prefill_attempts: int = 0
     num_decode_attempts: int = 0
     num_completion_tokens: int = 0
+    sent_token_ids: list[int] = field(default_factory=list)
+    """Every token handed to the caller so far (a resumed stream goes on after them)."""
     num_cached_tokens: int = 0
     route_ms: float = 0.0
     prefill_ms: float = 0.0
@@ -105,6 +107,15 @@ def is_handoff_reusable(code: grpc.StatusCode, lease_deadline_unix_ms: int, now_
     never pulled or released it) and the pin's lease (0 = none given) outlasts the retry."""
     is_leased = lease_deadline_unix_ms == 0 or lease_deadline_unix_ms > now_unix_ms + LEASE_MARGIN_MS
     return code is grpc.StatusCode.UNAVAILABLE and is_leased
+
+
+def can_resume(request: GenerateRequest) -> bool:
+    """May a stream that broke after tokens went out go on elsewhere from what was sent? Only when
+    greedy and without stop words: the recomputed continuation is then the one the broken worker
+    would have produced (sampled tokens would follow other seeds; a stop word could straddle the
+    break, where the next worker would not see it)."""
+    params = request.sampling_params
+    return params.temperature == 0 and not params.stop_words
 
 
 def continuation(request: GenerateRequest, sent: Tokens) -> GenerateRequest:

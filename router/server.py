@@ -19,6 +19,7 @@ from collections.abc import Mapping
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve import grpc_security
 from splitserve.control_plane.topology import Topology
 from splitserve.proto.v1 import router_pb2, router_pb2_grpc
 from splitserve.router.cluster_view import ClusterView, check_block_sizes
@@ -70,7 +71,7 @@ class RouterServer:
         block_size = check_block_sizes(workers, self.config.block_size)  # raises BlockSizeMismatchError
         self.view = ClusterView(
             block_size, max_running_per_worker=self.config.max_running_per_worker,
-            approximate_ttl_s=self.config.approximate_ttl_s,
+            approximate_ttl_s=self.config.approximate_ttl_s, suspect_cooldown_s=self.config.suspect_cooldown_s,
         )  # fmt: skip
         if self.config.kv_events:
             self.subscriber = KVEventSubscriber(self.view.index, self._fetch_block_set, block_size)
@@ -80,11 +81,11 @@ class RouterServer:
         self.orchestrator = Orchestrator(self.config, self.view, self.client, self.metrics)
         self.metrics_server = start_metrics_server(self.metrics.registry, self.config.metrics_port, self.config.metrics_host)
         self.set_workers(workers if self._watcher is None else routable_workers(self._watcher.latest))
-        server = grpc.aio.server()
+        server = grpc_security.aio_server()
         router_pb2_grpc.add_RouterServicer_to_server(RouterService(self.orchestrator), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = self.config.listen.rpartition(":")[0]
-        port = server.add_insecure_port(self.config.listen)
+        port = grpc_security.add_port(server, self.config.listen)
         self.address = f"{host}:{port}"
         await server.start()
         self._server = server

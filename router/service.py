@@ -16,6 +16,8 @@ follows:
 
 from __future__ import annotations
 
+import contextlib
+
 import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import context as otel_context
@@ -247,11 +249,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 mark_error(span, e)
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             try:
-                async for chunk in self._orchestrator.generate(generate_request):
-                    if is_first:
-                        is_first = False
-                        span.add_event(FIRST_MESSAGE)
-                    yield chunk_to_proto(chunk)
+                # aclosing: a cancelled call (client gone) runs the orchestrator's clean-up (Abort to
+                # the workers, metrics, span attributes) now, inside this span, not when GC finds it.
+                async with contextlib.aclosing(self._orchestrator.generate(generate_request)) as chunks:
+                    async for chunk in chunks:
+                        if is_first:
+                            is_first = False
+                            span.add_event(FIRST_MESSAGE)
+                        yield chunk_to_proto(chunk)
             except (RoutingError, DuplicateRequestError, WorkerCallError) as e:
                 mark_error(span, e)
                 await context.abort(status_of(e), str(e))

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 
+from splitserve import grpc_security
 from splitserve.control_plane.service import topology_from_proto
 from splitserve.control_plane.topology import Topology
 from splitserve.proto.v1 import control_plane_pb2, control_plane_pb2_grpc
@@ -70,7 +71,7 @@ class TopologyWatcher:
         while True:
             for address in self._candidates():
                 try:
-                    async with grpc.aio.insecure_channel(address) as channel:
+                    async with grpc_security.aio_channel(address) as channel:
                         stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
                         revision = self.latest.revision if self.latest is not None else 0
                         request = control_plane_pb2.WatchTopologyRequest(after_revision=revision)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import grpc
 
+from splitserve import grpc_security
 from splitserve.control_plane.shard_spec import Role
 from splitserve.proto.v1 import (
     common_pb2,
@@ -68,7 +69,7 @@ class GrpcWorkerClient:
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address)
+            self._channels[address] = grpc_security.aio_channel(address)
         return self._channels[address]
 
     async def prefill(

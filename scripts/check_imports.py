@@ -102,7 +102,10 @@ def dynamic_violations() -> list[str]:
 
 
 def main() -> int:
-    problems = static_violations() + dynamic_violations()
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from check_no_pickle import problems as unsafe_deserialization  # no pickle anywhere (same CI step)
+
+    problems = static_violations() + dynamic_violations() + unsafe_deserialization(ROOT)
     for p in problems:
         print(p)
     if not problems:

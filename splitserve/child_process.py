@@ -138,6 +138,17 @@ class ChildProcess:
         code = await self.wait()
         return code
 
+    async def restart(self) -> None:
+        """Runs the same command again, after the process exited; what is left of its group
+        (ranks it spawned) is killed first. The log file goes on (a marker line first)."""
+        if self._process is not None:
+            _signal_group(self._process.pid, signal.SIGKILL)
+            await self.wait()
+        with open(self.log_path, "a", encoding="utf-8") as log:
+            log.write(f"---- {self.name} restarted by splitserve up (it exited with code {self.returncode}) ----\n")
+        self._lines.clear()
+        await self.start()
+
     def is_group_alive(self) -> bool:
         """Any process of the child's group still exists (after stop: an orphan)."""
         if self._process is None:

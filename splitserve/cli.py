@@ -19,6 +19,7 @@ import importlib
 import sys
 
 from splitserve.config_sources import add_config_option, apply_config_sources
+from splitserve.security_flags import add_security_arguments, configure_process
 
 # name -> (module, one-line help). Modules are imported only when chosen.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -61,12 +62,17 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     module.add_arguments(sub)
+    add_security_arguments(sub, name)
     add_config_option(sub)
     try:
         apply_config_sources(sub, argv[1:])
     except ValueError as exc:
         sub.error(str(exc))
     args = sub.parse_args(argv[1:])
+    try:
+        configure_process(args)  # TLS / message limits of every gRPC hop, etcd credentials
+    except ValueError as exc:
+        sub.error(str(exc))
     return int(module.run(args) or 0)
 
 

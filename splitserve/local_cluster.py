@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from splitserve import grpc_security
 from splitserve.child_process import ChildExitedError, ChildProcess
 from splitserve.control_plane.shard_spec import parse_inference_shards
 from splitserve.proto.v1 import control_plane_pb2, control_plane_pb2_grpc
@@ -71,6 +72,11 @@ class UpConfig:
     """Logs and etcd data; None = a fresh temporary directory."""
     startup_timeout_s: float = 180.0
     worker_grace_s: float = 5.0
+    max_restarts: int = 5
+    """A child that exits is restarted (same command, same ports) at most this often per minute;
+    0 = any exit stops the cluster (splitserve/supervisor.py)."""
+    child_env: tuple[tuple[str, str], ...] = ()
+    """SPLITSERVE_* variables every child gets: the security options (TLS, etcd credentials), kept off `ps`."""
 
     def __post_init__(self) -> None:
         parse_inference_shards(self.inference_shards)  # ShardSpecError names the bad token
@@ -78,6 +84,8 @@ class UpConfig:
             raise ValueError(f"engine must be 'torch' or 'sim', got {self.engine!r}")
         if self.transport not in ("auto", "nixl", "torch_dist", "inproc"):
             raise ValueError(f"transport must be auto, nixl, torch_dist or inproc, got {self.transport!r}")
+        if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
+            raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("port", "router_port", "control_plane_port"):
             if not 0 <= getattr(self, name) < 65536:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)!r}")
@@ -260,7 +268,7 @@ class LocalCluster:
 
     async def _spawn(self, name: str, argv: list[str], extra_env: dict[str, str] | None = None) -> ChildProcess:
         env = {k: v for k, v in os.environ.items() if k not in self._drop_env}
-        env.update(PYTHONUNBUFFERED="1", **(extra_env or {}))
+        env.update(PYTHONUNBUFFERED="1", **dict(self.config.child_env), **(extra_env or {}))
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("UCX_NET_DEVICES", "lo")
         echo = (lambda line, n=name: self._progress(f"[{n}] {line}")) if self._echo_children else None
@@ -275,7 +283,7 @@ class LocalCluster:
 
     def _topology(self):
         try:
-            with grpc.insecure_channel(self.endpoints.control_plane) as channel:
+            with grpc_security.sync_channel(self.endpoints.control_plane) as channel:
                 stub = control_plane_pb2_grpc.ControlPlaneStub(channel)
                 return stub.GetTopology(control_plane_pb2.GetTopologyRequest(), timeout=2)
         except grpc.RpcError:

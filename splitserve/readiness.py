@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import urllib.request
 from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve import grpc_security
 from splitserve.child_process import ChildExitedError, ChildProcess
+from splitserve.control_plane import etcd_client
 
 
 def free_port() -> int:
@@ -41,7 +44,17 @@ async def poll(check: Callable[[], bool], child: ChildProcess | None, what: str,
 
 
 def etcd_healthy(endpoint: str) -> bool:
-    return http_ok(f"http://{endpoint}/health")
+    options = etcd_client.current()  # --etcd-ca: etcd serves https
+    if not options.is_tls:
+        return http_ok(f"http://{endpoint}/health")
+    context = ssl.create_default_context(cafile=str(options.ca))
+    if options.cert is not None:
+        context.load_cert_chain(str(options.cert), str(options.key))
+    try:
+        with urllib.request.urlopen(f"https://{endpoint}/health", timeout=2, context=context) as response:
+            return response.status == 200
+    except (OSError, ValueError):
+        return False
 
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -58,7 +71,7 @@ def http_ok(url: str) -> bool:
 
 def grpc_serving(address: str) -> bool:
     try:
-        with grpc.insecure_channel(address) as channel:
+        with grpc_security.sync_channel(address) as channel:
             reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
     except grpc.RpcError:
         return False

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from splitserve.control_plane.shard_spec import ShardSpecError
 from splitserve.local_cluster import DEFAULT_INFERENCE_SHARDS, LocalCluster, StartupError, UpConfig
+from splitserve.security_flags import child_environment
+from splitserve.supervisor import supervise
 
 DESCRIPTION = """\
 Start a whole splitserve cluster on this machine, on loopback: a real etcd
@@ -23,7 +25,8 @@ Start a whole splitserve cluster on this machine, on loopback: a real etcd
 control plane with --inference-shards, one prefill or decode worker process per
 dp replica of the spec, the router and the OpenAI-compatible gateway, all as
 child processes. With no options it serves the embedded default model, offline.
-It prints the gateway URL and a READY line when every part answers, and stops
+It prints the gateway URL and a READY line when every part answers, restarts
+any child that exits (same command and ports; see --max-restarts), and stops
 everything (workers drain first) on Ctrl-C or SIGTERM, leaving no process
 behind. Logs of every process go to --work-dir/logs."""
 
@@ -70,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     more = parser.add_argument_group("process control")
     more.add_argument("--work-dir", type=Path, default=None, metavar="DIR",
                       help="logs and etcd data (default: a temporary directory, removed on a clean stop)")
+    more.add_argument("--max-restarts", type=int, default=5, metavar="N",
+                      help="restart a child process (router, gateway, control plane, etcd, worker) that exits, "
+                      "on the same ports, at most N times a minute each; past that, or with 0, stop the whole "
+                      "cluster (default %(default)s)")
     more.add_argument("--startup-timeout", type=float, default=180.0, metavar="SECONDS",
                       help="give up if the cluster is not ready by then (default %(default)s)")
     more.add_argument("--show-logs", action="store_true", help="also print every process's output, prefixed")
@@ -88,8 +95,17 @@ def config_from_args(args: argparse.Namespace) -> UpConfig:
         router_port=args.router_port, control_plane_port=args.control_plane_port, api_keys=tuple(args.api_key or ()),
         transport=args.transport, block_size=args.block_size, device=args.device, worker_args=tuple(args.worker_arg),
         router_args=tuple(args.router_arg), gateway_args=tuple(args.gateway_arg), work_dir=args.work_dir,
-        startup_timeout_s=args.startup_timeout,
+        startup_timeout_s=args.startup_timeout, child_env=_security_env(args), max_restarts=args.max_restarts,
     )  # fmt: skip
+
+
+def _security_env(args: argparse.Namespace) -> tuple[tuple[str, str], ...]:
+    """The --tls-* / --etcd-* options, for every child (security_flags.py)."""
+    env = child_environment(args)
+    if not args.etcd and any(k.startswith("SPLITSERVE_ETCD_") for k in env):
+        raise ValueError("--etcd-user/--etcd-password/--etcd-ca/--etcd-cert/--etcd-key need --etcd HOST:PORT "
+                         "of a running etcd with those settings (the etcd `up` starts has no auth or TLS)")
+    return tuple(sorted(env.items()))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -138,11 +154,12 @@ async def _main(config: UpConfig, *, show_logs: bool, drop_env: frozenset[str] =
             return 130
         start.result()  # StartupError -> below
         _print_ready(cluster)
-        exited = asyncio.create_task(cluster.wait_for_exit())
+        exited = asyncio.create_task(supervise(cluster, _say, config.max_restarts))
         await asyncio.wait({exited, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if exited.done():
             child = exited.result()
-            _say(f"splitserve up: {child.exit_message()}\nstopping the cluster")
+            again = f" (restarted {config.max_restarts} times within a minute)" if config.max_restarts else ""
+            _say(f"splitserve up: {child.exit_message()}{again}\nstopping the cluster")
             code = 1
         else:
             exited.cancel()

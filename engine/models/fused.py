@@ -5,7 +5,7 @@ A decode step of a small model is hundreds of tiny kernels (each RMSNorm is
 gate/up GEMMs); on an H200 their launch gaps, not HBM, bound the step even
 inside a CUDA graph. This form runs per layer
 
-    add+RMSNorm -> qkv GEMM -> rotary(q, k) -> write_kv + attention -> o GEMM
+    add+RMSNorm -> qkv GEMM -> rotary(q, k) + write_kv -> attention -> o GEMM
     -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
 
 carrying the residual stream separately (`residual`), so each residual add
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from splitserve import kernels
-from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.attention import AttentionMetadata, paged_attention, triton_attention_written
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -61,8 +61,12 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
     q = qkv[:, :nq].view(t, attn.num_heads, d)
     k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
     v = qkv[:, nq + nk :].view(t, attn.num_kv_heads, d)
-    kernels.apply_rotary_qk(q, k, cos, sin)
-    o = paged_attention(q, k, v, kv, meta, attn.scale)
+    if meta.backend == "triton":  # rotary and the KV write in one launch
+        kernels.apply_rotary_qk_and_write_kv(q, k, v, cos, sin, kv, meta.slot_mapping)
+        o = triton_attention_written(q, kv, meta, attn.scale)
+    else:
+        kernels.apply_rotary_qk(q, k, cos, sin)
+        o = paged_attention(q, k, v, kv, meta, attn.scale)
     return attn.ps.all_reduce_tp(attn.o_proj(o.reshape(t, -1)))
 
 

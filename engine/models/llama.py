@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.config import ModelConfig
+from splitserve.engine.models.fused import fuse_projections, fused_layers_forward
 from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
@@ -104,6 +106,8 @@ class CausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embed else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ps) for _ in range(self.layer_end - self.layer_start))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if ps.is_last_stage else None
+        self.fused = False
+        """Run the GPU form of the layers (`fused.py`); set by `fuse_projections`."""
         self.lm_head = None
         if ps.is_last_stage and not cfg.tie_word_embeddings:
             self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -128,6 +132,8 @@ class CausalLM(nn.Module):
         if self.ps.is_first_stage:
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        if self.fused:
+            return fused_layers_forward(self, hidden, cos, sin, kv_caches, meta)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
             hidden = layer(hidden, cos, sin, kv, meta)
         return hidden
@@ -143,9 +149,19 @@ def build_model(cfg: ModelConfig, ps: ParallelState, path: str, dtype: torch.dty
     """Construct without initialising weights (meta device), then load the checkpoint."""
     from splitserve.engine.models.loader import load_weights
 
+    if cfg.is_hybrid:  # NemotronH-style Mamba2 + attention + MLP (hybrid.py)
+        from splitserve.engine.models.hybrid import HybridCausalLM
+
+        with torch.device("meta"):
+            model = HybridCausalLM(cfg, ps)
+        model = model.to_empty(device=device)
+        load_weights(model, path, dtype, device)
+        return model
     with torch.device("meta"):
         model = CausalLM(cfg, ps)
     model = model.to_empty(device=device)
     model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
     load_weights(model, path, dtype, device)
+    if device.type == "cuda" and kernels.triton_available():
+        fuse_projections(model)
     return model

@@ -16,7 +16,8 @@ from safetensors import safe_open
 from splitserve.engine.models.llama import CausalLM
 from splitserve.engine.parallel import kv_heads_of_rank
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(.+)$")
+_PREFIXES = ("model.", "backbone.")  # Llama-family / NemotronH checkpoints
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -36,11 +37,17 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def _shard(name: str, model: CausalLM) -> tuple[int, slice] | None:
-    """(dim, slice) of the full tensor this rank keeps, or None for a replicated one."""
+def _shard(name: str, model: CausalLM) -> tuple[int, slice | torch.Tensor] | None:
+    """(dim, slice or index tensor) of the full tensor this rank keeps, or None for a replicated one."""
     ps, cfg = model.ps, model.cfg
     if ps.tp_size == 1:
         return None
+    if cfg.is_hybrid:
+        from splitserve.engine.models.hybrid_shard import hybrid_shard
+
+        special = hybrid_shard(name, cfg, ps)
+        if special is not False:
+            return special
     d = cfg.head_dim
     if ".q_proj." in name:
         per = cfg.num_heads // ps.tp_size
@@ -67,8 +74,9 @@ def _local_name(name: str, model: CausalLM) -> str | None:
         if not model.layer_start <= layer < model.layer_end:
             return None
         return f"layers.{layer - model.layer_start}.{m.group(2)}"
-    if name.startswith("model."):
-        return name[len("model.") :]
+    for prefix in _PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix) :]
     return name
 
 
@@ -91,8 +99,11 @@ def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: 
                     tensor = f.get_tensor(name)
                 else:
                     dim, sl = shard
-                    view = f.get_slice(name)
-                    tensor = view[sl] if dim == 0 else view[:, sl]
+                    if isinstance(sl, torch.Tensor):  # a gather of non-contiguous rows (mamba in_proj, conv)
+                        tensor = f.get_tensor(name).index_select(dim, sl)
+                    else:
+                        view = f.get_slice(name)
+                        tensor = view[sl] if dim == 0 else view[:, sl]
                 param = params[local]
                 if tuple(tensor.shape) != tuple(param.shape):
                     raise ValueError(
@@ -112,4 +123,4 @@ def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: 
 
 def _is_other_stage(local: str, model: CausalLM) -> bool:
     """Embedding / final norm / lm_head tensors that another pipeline stage owns."""
-    return local.split(".")[0] in ("embed_tokens", "norm", "lm_head")
+    return local.split(".")[0] in ("embed_tokens", "norm", "lm_head", "embeddings", "norm_f")

@@ -8,7 +8,12 @@ One concept per module:
 - `pack`       plan ops → one contiguous buffer per (src, dst) pair, and back
 - `checksum`   per-(layer, kv head) checksums that are the same on every layout
 - `transport`  the pull interface (`KVTransport`), `TransferStats`, `TransferError`
-- `inproc`, `nixl_transport`   pull transports; `torch_dist`: two-sided send/recv of a plan
+- `inproc`, `nixl_transport`, `shm_transport`, `cuda_ipc`   pull transports; `torch_dist`: two-sided
+               send/recv of a plan
+- `nixl_endpoint`  what a NIXL source rank publishes; `nixl_staging`: reshard reads via staging buffers
+- `local_copy` one plan op between tensors this process addresses (shm, staging; Triton on CUDA)
+- `progress`   per-layer readiness board of a source rank (layer-wise streaming)
+- `streaming`  the streamed pull: each layer as soon as the boards show it written
 
 Only the torch-free names are re-exported here; import the others from their modules.
 """

@@ -9,25 +9,69 @@ device bandwidth. NIXL stays the transport across hosts; this one is chosen
 automatically only by configuration (`--transport cuda_ipc`) for same-host
 pairs.
 
-Endpoint metadata is a pickle of torch's CUDA IPC handles
-(`torch.multiprocessing.reductions.reduce_tensor`): it is only ever exchanged
-between processes of one cluster (the same trust boundary as the KV itself).
-The source must keep its tensors alive while peers hold mappings (it does: the
-KV pool lives as long as the worker).
+Endpoint metadata is JSON of torch's CUDA IPC handles — the fields of
+`torch.multiprocessing.reductions.reduce_tensor`, with classes and dtypes by name
+from a fixed allow-list, handles as hex — never a pickle: a peer's descriptor
+cannot make this process run code, only fail to map (a TransferError). The
+source must keep its tensors alive while peers hold mappings (it does: the KV
+pool lives as long as the worker).
 """
 
 from __future__ import annotations
 
 import hashlib
-import pickle
+import json
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
-from torch.multiprocessing.reductions import reduce_tensor
+from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
+
+_STORAGE_CLASSES = {"TypedStorage": torch.TypedStorage, "UntypedStorage": torch.UntypedStorage}
+_FIELDS = ("size", "stride", "offset", "storage_cls", "dtype", "device", "handle", "storage_size",
+           "storage_offset", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
+
+
+def encode_ipc_handle(rebuild, args: tuple) -> dict:
+    """`reduce_tensor`'s (rebuild_cuda_tensor, 15 args) of a plain CUDA tensor -> JSON-able dict."""
+    if rebuild is not rebuild_cuda_tensor or len(args) != 15:
+        raise ValueError("not a CUDA tensor's IPC reduction (torch changed its format?)")
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
+     _requires_grad, ref_handle, ref_offset, event_handle, event_sync) = args
+    if tensor_cls is not torch.Tensor or storage_cls.__name__ not in _STORAGE_CLASSES:
+        raise ValueError(f"cannot encode a {tensor_cls.__name__} on {storage_cls.__name__}")
+    return {
+        "size": list(size), "stride": list(stride), "offset": int(offset), "storage_cls": storage_cls.__name__,
+        "dtype": str(dtype).removeprefix("torch."), "device": int(device), "handle": bytes(handle).hex(),
+        "storage_size": int(storage_size), "storage_offset": int(storage_offset),
+        "ref_counter_handle": bytes(ref_handle).hex(), "ref_counter_offset": int(ref_offset),
+        "event_handle": None if event_handle is None else bytes(event_handle).hex(),
+        "event_sync_required": bool(event_sync),
+    }
+
+
+def decode_ipc_handle(h: dict) -> tuple:
+    """The inverse of `encode_ipc_handle`: `rebuild_cuda_tensor`'s arguments, every field
+    type-checked (ValueError on anything else)."""
+    if not isinstance(h, dict) or sorted(h) != sorted(_FIELDS):
+        raise ValueError("malformed CUDA IPC handle")
+    dtype = getattr(torch, h["dtype"], None) if isinstance(h["dtype"], str) else None
+    if not isinstance(dtype, torch.dtype) or h["storage_cls"] not in _STORAGE_CLASSES:
+        raise ValueError(f"malformed CUDA IPC handle: dtype {h['dtype']!r}, storage {h['storage_cls']!r}")
+    ints = ("offset", "device", "storage_size", "storage_offset", "ref_counter_offset")
+    if not all(type(h[k]) is int for k in ints) or not all(
+        isinstance(v, list) and all(type(x) is int for x in v) for v in (h["size"], h["stride"])
+    ):
+        raise ValueError("malformed CUDA IPC handle: sizes and offsets must be integers")
+    event = None if h["event_handle"] is None else bytes.fromhex(h["event_handle"])
+    return (
+        torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"], _STORAGE_CLASSES[h["storage_cls"]],
+        dtype, h["device"], bytes.fromhex(h["handle"]), h["storage_size"], h["storage_offset"], False,
+        bytes.fromhex(h["ref_counter_handle"]), h["ref_counter_offset"], event, bool(h["event_sync_required"]),
+    )
 
 
 class CudaIpcTransport(KVTransport):
@@ -39,14 +83,14 @@ class CudaIpcTransport(KVTransport):
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_cuda and t.is_contiguous() for t in kv_tensors):
             raise ValueError("CUDA IPC exposes contiguous CUDA tensors only")
-        return pickle.dumps([reduce_tensor(t) for t in kv_tensors])
+        return json.dumps([encode_ipc_handle(*reduce_tensor(t)) for t in kv_tensors]).encode()
 
     def _open(self, metadata: bytes) -> list[torch.Tensor]:
         key = hashlib.sha256(metadata).digest()
         tensors = self._mapped.get(key)
         if tensors is None:
             try:
-                tensors = [rebuild(*args) for rebuild, args in pickle.loads(metadata)]  # noqa: S301 - cluster-internal
+                tensors = [rebuild_cuda_tensor(*decode_ipc_handle(h)) for h in json.loads(metadata)]
             except Exception as exc:
                 raise TransferError(f"cannot map the peer's KV over CUDA IPC: {exc}") from exc
             self._mapped[key] = tensors

@@ -16,11 +16,13 @@ import torch
 
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.plan import TransferPlan
+from splitserve.engine.transfer.progress import NUM_BOARD_SLOTS, ProgressBoard
 from splitserve.engine.transfer.regions import ops_regions
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
 _PREFIX = b"inproc:"
 _registry: dict[bytes, list[torch.Tensor]] = {}
+_boards: dict[bytes, torch.Tensor] = {}
 _lock = threading.Lock()
 _counter = itertools.count()
 
@@ -34,15 +36,20 @@ class InProcTransport(KVTransport):
 
     kind = "inproc"
 
-    def __init__(self) -> None:
+    def __init__(self, num_board_slots: int = NUM_BOARD_SLOTS) -> None:
         self._tokens: list[bytes] = []
+        self._num_board_slots = num_board_slots
 
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_contiguous() for t in kv_tensors):
             raise ValueError("expose needs a non-empty list of contiguous KV tensors")
         token = _PREFIX + str(next(_counter)).encode()
+        board = ProgressBoard.for_pool(kv_tensors, self._num_board_slots)
+        if self.board is None or self.board.shape != board.shape:  # exposed again: keep live slots
+            self.board = board
         with _lock:
             _registry[token] = list(kv_tensors)
+            _boards[token] = self.board.tensor
         self._tokens.append(token)
         return token
 
@@ -75,8 +82,16 @@ class InProcTransport(KVTransport):
             num_regions += len(regions)
         return TransferStats(num_bytes, time.perf_counter() - start, num_regions)
 
+    def read_board(self, metadata: bytes, slot: int, width: int) -> list[int]:
+        with _lock:
+            board = _boards.get(metadata)
+        if board is None or board.shape[1] != width or not 0 <= slot < board.shape[0]:
+            raise TransferError(f"endpoint {metadata!r} has no progress board slot {slot} of width {width}")
+        return board[slot].tolist()
+
     def close(self) -> None:
         with _lock:
             for token in self._tokens:
                 _registry.pop(token, None)
+                _boards.pop(token, None)
         self._tokens.clear()

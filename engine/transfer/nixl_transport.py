@@ -17,20 +17,20 @@ Leave `UCX_TLS` unset on one host: UCX then moves DRAM through shared memory (~4
 from __future__ import annotations
 
 import hashlib
-import json
 import os
-import struct
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
+from splitserve.engine.transfer.nixl_staging import should_stage, staged_pull
 from splitserve.engine.transfer.plan import TransferPlan
-from splitserve.engine.transfer.regions import ops_regions
+from splitserve.engine.transfer.progress import NUM_BOARD_SLOTS, ProgressBoard
+from splitserve.engine.transfer.regions import Regions, ops_regions
 from splitserve.engine.transfer.transport import (
     KVTransport,
     TransferError,
@@ -45,9 +45,6 @@ UCX_ENV_DEFAULTS = {
     "NIXL_LOG_LEVEL": "WARN",  # NIXL logs every agent and backend creation at INFO
 }
 
-_MAGIC = b"SSNX1"
-
-
 def _nixl_api():
     """The installed NIXL python API (`nixl-cu13` wheel, else the generic `nixl` package)."""
     try:
@@ -60,46 +57,6 @@ def _nixl_api():
     return nixl_agent, nixl_agent_config
 
 
-@dataclass(frozen=True)
-class NixlEndpoint:
-    """What a source rank publishes: its agent and where each local layer's KV tensor lives."""
-
-    agent_metadata: bytes
-    mem_type: str
-    """"DRAM" or "VRAM"."""
-    device_id: int
-    layer_addrs: tuple[int, ...]
-    layer_shape: tuple[int, ...]
-    """Shape of every layer tensor, `[2, pool, local heads, block_size, head_dim]`."""
-    dtype: str
-
-    def __post_init__(self) -> None:
-        if self.mem_type not in ("DRAM", "VRAM"):
-            raise ValueError(f"mem_type must be DRAM or VRAM, got {self.mem_type!r}")
-        if len(self.layer_shape) != 5 or not self.layer_addrs:
-            raise ValueError(f"bad endpoint: layer_shape {self.layer_shape!r}, {len(self.layer_addrs)} layers")
-
-    def to_bytes(self) -> bytes:
-        header = json.dumps({
-            "mem_type": self.mem_type, "device_id": self.device_id, "layer_addrs": list(self.layer_addrs),
-            "layer_shape": list(self.layer_shape), "dtype": self.dtype,
-        }).encode()
-        return _MAGIC + struct.pack("<I", len(header)) + header + self.agent_metadata
-
-    @staticmethod
-    def from_bytes(data: bytes) -> NixlEndpoint:
-        if not data.startswith(_MAGIC) or len(data) < len(_MAGIC) + 4:
-            raise ValueError(f"not NIXL endpoint metadata (starts {data[:8]!r})")
-        (size,) = struct.unpack_from("<I", data, len(_MAGIC))
-        start = len(_MAGIC) + 4
-        header = json.loads(data[start:start + size])
-        return NixlEndpoint(
-            agent_metadata=data[start + size:], mem_type=header["mem_type"], device_id=header["device_id"],
-            layer_addrs=tuple(header["layer_addrs"]), layer_shape=tuple(header["layer_shape"]),
-            dtype=header["dtype"],
-        )
-
-
 def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.get_device()) if t.is_cuda else ("DRAM", 0)
 
@@ -109,7 +66,8 @@ class NixlTransport(KVTransport):
 
     kind = "nixl"
 
-    def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002):
+    def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002,
+                 num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True):
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         nixl_agent, nixl_agent_config = _nixl_api()
@@ -126,8 +84,13 @@ class NixlTransport(KVTransport):
             raise TransferError(f"NIXL agent {self.name}: the UCX backend is unavailable "
                                 f"(plugins: {self._agent.get_plugin_list()}, UCX environment {ucx_env})")
         self._poll_sleep_s = poll_sleep_s
+        self._num_board_slots = num_board_slots
+        self._stage_reshards = stage_reshards
+        self._staging: list[torch.Tensor] = []  # nixl_staging.py: two registered uint8 buffers
+        self._staging_device = torch.device("cpu")
         self._registered: dict[tuple[int, int], object] = {}  # (addr, nbytes) -> reg descs
         self._remote_names: dict[bytes, str] = {}  # sha256(agent metadata) -> agent name
+        self._rows: dict[int, torch.Tensor] = {}  # width -> registered landing row of board reads
         self._closed = False
 
     def _register(self, kv_tensors: Sequence[torch.Tensor]) -> None:
@@ -139,18 +102,22 @@ class NixlTransport(KVTransport):
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_contiguous() for t in kv_tensors):
             raise ValueError("expose needs a non-empty list of contiguous KV tensors")
-        self._register(kv_tensors)
+        board = ProgressBoard.for_pool(kv_tensors, self._num_board_slots)
+        if self.board is None or self.board.shape != board.shape:  # exposed again: keep live slots
+            self.board = board
+        self._register([*kv_tensors, self.board.tensor])  # before taking the metadata: it covers both
         mem_type, device_id = _mem(kv_tensors[0])
         return NixlEndpoint(
             agent_metadata=self._agent.get_agent_metadata(), mem_type=mem_type, device_id=device_id,
             layer_addrs=tuple(t.data_ptr() for t in kv_tensors), layer_shape=tuple(kv_tensors[0].shape),
-            dtype=str(kv_tensors[0].dtype).removeprefix("torch."),
+            dtype=str(kv_tensors[0].dtype).removeprefix("torch."), board_addr=self.board.tensor.data_ptr(),
+            board_slots=self.board.shape.num_slots, board_width=self.board.shape.width,
         ).to_bytes()
 
-    def _remote_agent(self, endpoint: NixlEndpoint) -> str:
-        key = hashlib.sha256(endpoint.agent_metadata).digest()
+    def _remote_agent(self, agent_metadata: bytes) -> str:
+        key = hashlib.sha256(agent_metadata).digest()
         if key not in self._remote_names:
-            name = self._agent.add_remote_agent(endpoint.agent_metadata)
+            name = self._agent.add_remote_agent(agent_metadata)
             self._remote_names[key] = name.decode() if isinstance(name, bytes) else name
         return self._remote_names[key]
 
@@ -168,31 +135,55 @@ class NixlTransport(KVTransport):
         deadline = time.monotonic() + timeout_s
         dst_pool = check_kv_tensors(kv_tensors, plan.dst, dst_rank)
         self._register(kv_tensors)
+        self._staging_device = kv_tensors[0].device
         local_mem, local_dev = _mem(kv_tensors[0])
         local_addrs = np.asarray([t.data_ptr() for t in kv_tensors], dtype=np.int64)
-        pending: dict[int, object] = {}
+        pending: dict[object, object] = {}
         num_bytes = num_regions = 0
+
+        def post(key, ep: NixlEndpoint, regions: Regions, local_starts: np.ndarray) -> None:
+            local = np.stack([local_starts + regions.dst_offset, regions.num_bytes,
+                              np.full(len(regions), local_dev)], axis=1).astype(np.uint64)
+            far = np.stack([np.asarray(ep.layer_addrs, dtype=np.int64)[regions.src_layer] + regions.src_offset,
+                            regions.num_bytes, np.full(len(regions), ep.device_id)], axis=1).astype(np.uint64)
+            handle = self._agent.initialize_xfer(
+                "READ", self._agent.get_xfer_descs(local, local_mem),
+                self._agent.get_xfer_descs(far, ep.mem_type), self._remote_agent(ep.agent_metadata))
+            if self._agent.transfer(handle) == "ERR":
+                handle.release()
+                raise TransferError(f"NIXL read from source rank {key[0]} failed to start")
+            pending[key] = handle
+
+        def done(key) -> None:
+            self._wait({key[0]: pending[key]}, deadline, timeout_s)
+            pending.pop(key).release()
+
         try:
+            staged: list[tuple[int, NixlEndpoint, list]] = []
             for src_rank in needed_sources(plan, dst_rank, remote):
                 ep = NixlEndpoint.from_bytes(remote[src_rank])
                 self._check_endpoint(ep, plan, src_rank)
-                regions = ops_regions(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst,
-                                      ep.layer_shape[1], dst_pool)
-                remote_addrs = np.asarray(ep.layer_addrs, dtype=np.int64)
-                local = np.stack([local_addrs[regions.dst_layer] + regions.dst_offset, regions.num_bytes,
-                                  np.full(len(regions), local_dev)], axis=1).astype(np.uint64)
-                far = np.stack([remote_addrs[regions.src_layer] + regions.src_offset, regions.num_bytes,
-                                np.full(len(regions), ep.device_id)], axis=1).astype(np.uint64)
-                handle = self._agent.initialize_xfer(
-                    "READ", self._agent.get_xfer_descs(local, local_mem),
-                    self._agent.get_xfer_descs(far, ep.mem_type), self._remote_agent(ep))
-                if self._agent.transfer(handle) == "ERR":
-                    handle.release()
-                    raise TransferError(f"NIXL read from source rank {src_rank} failed to start")
-                pending[src_rank] = handle
-                num_bytes += regions.bytes_total
-                num_regions += len(regions)
-            self._wait(pending, deadline, timeout_s)
+                ops = plan.ops_for_pair(src_rank, dst_rank)
+                stage = [op for op in ops if self._stage_reshards and should_stage(op, plan.src)]
+                direct = [op for op in ops if op not in stage]
+                if direct:  # posted first: they run while the staged chunks are read and cut
+                    regions = ops_regions(direct, plan.src, plan.dst, ep.layer_shape[1], dst_pool)
+                    post((src_rank, "direct"), ep, regions, local_addrs[regions.dst_layer])
+                    num_bytes += regions.bytes_total
+                    num_regions += len(regions)
+                if stage:
+                    staged.append((src_rank, ep, stage))
+            for src_rank, ep, ops in staged:
+                def post_chunk(regions, offsets, buf, src_rank=src_rank, ep=ep):
+                    post((src_rank, buf.data_ptr()), ep, regions, buf.data_ptr() + offsets[regions.dst_layer])
+                    return (src_rank, buf.data_ptr())
+
+                moved, regions_used = staged_pull(ops, plan.src, ep.layer_shape[1], self._staging_buffers,
+                                                  post_chunk, done, kv_tensors)
+                num_bytes += moved
+                num_regions += regions_used
+            # What is left: one direct read per source, waited on together (errors name them all).
+            self._wait({key[0]: handle for key, handle in pending.items()}, deadline, timeout_s)
         finally:
             for handle in pending.values():
                 try:
@@ -200,6 +191,40 @@ class NixlTransport(KVTransport):
                 except Exception:  # an unabortable transfer: NIXL keeps it on its leak list
                     pass
         return TransferStats(num_bytes, time.perf_counter() - start, num_regions)
+
+    def _staging_buffers(self, nbytes: int) -> list[torch.Tensor]:
+        """Two registered staging buffers of at least `nbytes` on the pool's device (reused)."""
+        if self._staging and self._staging[0].numel() >= nbytes:
+            return self._staging
+        for buf in self._staging:
+            self._agent.deregister_memory(self._registered.pop((buf.data_ptr(), buf.numel())))
+        device = self._staging_device
+        self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._register(self._staging)
+        return self._staging
+
+    def read_board(self, metadata: bytes, slot: int, width: int, timeout_s: float = 5.0) -> list[int]:
+        ep = NixlEndpoint.from_bytes(metadata)
+        if not ep.board_addr or ep.board_width != width or not 0 <= slot < ep.board_slots:
+            raise TransferError(f"progress board [{ep.board_slots}, {ep.board_width}] has no slot {slot} "
+                                f"of width {width}")
+        row = self._rows.get(width)
+        if row is None:  # one registered landing row per width, reused for every poll
+            row = self._rows[width] = torch.zeros(width, dtype=torch.int64)
+            self._register([row])
+        nbytes = width * 8
+        local = np.asarray([[row.data_ptr(), nbytes, 0]], dtype=np.uint64)
+        far = np.asarray([[ep.board_addr + slot * nbytes, nbytes, 0]], dtype=np.uint64)
+        handle = self._agent.initialize_xfer(
+            "READ", self._agent.get_xfer_descs(local, "DRAM"), self._agent.get_xfer_descs(far, "DRAM"),
+            self._remote_agent(ep.agent_metadata))
+        try:
+            if self._agent.transfer(handle) == "ERR":
+                raise TransferError("NIXL read of a progress board failed to start")
+            self._wait({-1: handle}, time.monotonic() + timeout_s, timeout_s)
+        finally:
+            handle.release()
+        return row.tolist()
 
     def _wait(self, pending: dict[int, object], deadline: float, timeout_s: float) -> None:
         waiting = dict(pending)
@@ -231,6 +256,8 @@ class NixlTransport(KVTransport):
         for descs in self._registered.values():
             self._agent.deregister_memory(descs)
         self._registered.clear()
+        self._rows.clear()
+        self._staging = []
 
     def close(self) -> None:
         if self._closed:
@@ -244,5 +271,7 @@ class NixlTransport(KVTransport):
         for descs in self._registered.values():
             self._agent.deregister_memory(descs)
         self._registered.clear()
+        self._rows.clear()
+        self._staging = []
         self._remote_names.clear()
         self._agent = None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.transfer.plan import TransferPlan
+from splitserve.engine.transfer.progress import ProgressBoard
 
 
 class TransferError(RuntimeError):
@@ -97,6 +98,16 @@ class KVTransport(TransportEndpoint):
         does not read from may be absent). Blocks off the plan are never written. Blocks until
         done; raises `TransferTimeout` after `timeout_s`, `TransferError` on failure.
         """
+
+    # Layer-wise streaming (progress.py, streaming.py). A transport that streams creates its
+    # rank's progress board in `expose` (one row per slot, sized from the tensors) and puts its
+    # location in the metadata; `board` stays None for the others.
+    board: ProgressBoard | None = None
+
+    def read_board(self, metadata: bytes, slot: int, width: int) -> list[int]:
+        """Row `slot` (`width` int64 values) of the board of the peer whose `expose` returned
+        `metadata`, as it is now (a plain read, front to back)."""
+        raise TransferError(f"the {self.kind or type(self).__name__} transport has no layer-wise streaming")
 
 
 def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> list[int]:

@@ -37,9 +37,13 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_triton_backend_matches_torch(tmp_path, family):
-    build_hf_checkpoint(tmp_path, family, num_hidden_layers=2, hidden_size=32, intermediate_size=64)
+@pytest.mark.parametrize(
+    "family,shape",
+    [("llama", {}), ("qwen2", {}), ("llama", dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=1))],
+    ids=["llama", "qwen2", "llama-head-dim-48"],
+)
+def test_triton_backend_matches_torch(tmp_path, family, shape):
+    build_hf_checkpoint(tmp_path, family, **{"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, **shape})
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -21,6 +21,15 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.paged_decode",
     "splitserve.kernels.paged_prefill",
     "splitserve.kernels.kv_write",
+    "splitserve.kernels.pack",
+    "splitserve.kernels.norm",
+    "splitserve.kernels.rotary",
+    "splitserve.kernels.activation",
+    "splitserve.kernels.argmax",
+    "splitserve.kernels.kv_checksum",
+    "splitserve.kernels.sampling",
+    "splitserve.kernels.ssm_state_update",
+    "splitserve.kernels.ssd_scan",
 )
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRET = not torch.cuda.is_available()

@@ -10,8 +10,10 @@ pytest.importorskip("triton")
 
 from splitserve.engine.models.rope import RotaryEmbedding  # noqa: E402
 from splitserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
+from splitserve.kernels.argmax import argmax_rows  # noqa: E402
+from splitserve.kernels.kv_write import write_kv_reference  # noqa: E402
 from splitserve.kernels.norm import rms_norm, rms_norm_reference  # noqa: E402
-from splitserve.kernels.rotary import apply_rotary_qk, rotary_reference  # noqa: E402
+from splitserve.kernels.rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv, rotary_reference  # noqa: E402
 
 
 def _close(got, want, dtype):
@@ -41,7 +43,9 @@ def test_rms_norm_rejects_bad_shapes(device):
         rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device), 1e-5)
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,dtype", [(4, 2, 16, torch.float32), (8, 1, 64, torch.float16)])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,dtype", [(4, 2, 16, torch.float32), (8, 1, 64, torch.float16), (3, 3, 48, torch.float32)]
+)
 def test_rotary_qk_matches_reference_on_fused_views(heads, kv_heads, head_dim, dtype, device):
     g = torch.Generator().manual_seed(heads * head_dim)
     t = 7
@@ -72,3 +76,35 @@ def test_silu_and_mul_matches_reference(inter, dtype, device):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     else:
         _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("vocab,dtype", [(1000, torch.float32), (9000, torch.float16), (4096 * 3 + 5, torch.float32)])
+def test_argmax_rows_matches_torch_first_index_on_ties(vocab, dtype, device):
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(4, vocab, generator=g).to(dtype)
+    x[1, 17] = x[1, vocab - 3] = 50.0  # a tie across slices: the first index wins
+    x[2] = 0.0  # all equal: index 0
+    x[3, vocab - 1] = 99.0  # the last entry
+    x = x.to(device)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype,d", [(torch.float32, 16), (torch.float16, 16), (torch.float32, 48)])
+def test_rotary_and_kv_write_in_one_launch(dtype, d, device):
+    """= apply_rotary_qk, then write_kv of the rotated k and of v (a negative slot skipped)."""
+    g = torch.Generator().manual_seed(3)
+    t, heads, kv_heads, bs = 5, 4, 2, 4
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g).to(dtype).to(device)
+    q = qkv[:, : heads * d].view(t, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(t, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(t, kv_heads, d)
+    cos, sin = RotaryEmbedding(d, 10000.0, None).to(device).cos_sin(torch.arange(3, 3 + t, device=device), dtype)
+    kv = torch.randn(2, 6, kv_heads, bs, d, generator=g).to(dtype).to(device)
+    slots = torch.tensor([0, 7, -1, 13, 22], device=device)
+    want_q, want_k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
+    want_kv = kv.clone()
+    write_kv_reference(want_kv, want_k, v, slots)
+    apply_rotary_qk_and_write_kv(q, k, v, cos, sin, kv, slots)
+    _close(q, want_q, dtype)
+    _close(k, want_k, dtype)
+    _close(kv, want_kv, dtype)

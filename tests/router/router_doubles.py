@@ -92,6 +92,10 @@ class DecodeDouble(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.aborted: list[str] = []
         self.fail_with: list[grpc.StatusCode] = []
         self.hold_after_first: asyncio.Event | None = None
+        self.hold_after_index = 0
+        """`hold_after_first` waits after the chunk of this index (0: the first)."""
+        self.hold_only_with_handoff = False
+        """Hold only calls that carry a handoff (not a recomputing retry)."""
         self.num_cached_tokens = 0
         self.block_set = prefill_worker_pb2.BlockSet()
         self.block_set_source = None
@@ -115,7 +119,8 @@ class DecodeDouble(decode_worker_pb2_grpc.DecodeWorkerServicer):
             if index == params.num_tokens_to_generate - 1:
                 chunk.finish_reason = common_pb2.FINISH_REASON_LENGTH
             yield chunk
-            if index == 0 and self.hold_after_first is not None:
+            is_held = self.hold_after_first is not None and (has_handoff or not self.hold_only_with_handoff)
+            if index == self.hold_after_index and is_held:
                 waits = [asyncio.ensure_future(self.hold_after_first.wait()), asyncio.ensure_future(aborted.wait())]
                 await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
                 for waiter in waits:

@@ -1,0 +1,178 @@
+"""The two processes of benchmarks/handoff.py: a source that holds (and "prefills") a KV pool,
+and a destination that pulls from it and times the pulls against a plain copy.
+
+Commands over the pipe, destination → source:
+    ("prefill", num_tokens, layer_s, request_id)   open a board slot, say "started", then mark
+                                                   one layer every layer_s seconds; send the
+                                                   monotonic time prefill ended; close the slot
+    plan (torch_dist only)                         send this plan's ops
+    None                                           exit
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import replace
+from datetime import timedelta
+
+import torch
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
+STREAMING = ("shm", "nixl", "nixl_strided")
+"""Transports with a progress board (layer-wise streaming)."""
+
+
+def layout(tp: int = 1):
+    from splitserve.engine.transfer.layout import KVLayout
+
+    return KVLayout(dtype="bfloat16", block_size=BLOCK, tp=tp, pp=1, num_layers=LAYERS, num_kv_heads=HEADS,
+                    head_dim=HEAD_DIM)
+
+
+def pool(num_blocks: int, heads: int, device: str) -> list[torch.Tensor]:
+    return [torch.randn(2, num_blocks, heads, BLOCK, HEAD_DIM, device=device).to(torch.bfloat16)
+            for _ in range(LAYERS)]
+
+
+def make(kind: str):
+    if kind in ("nixl", "nixl_strided"):  # nixl_strided: reshards without staging (A/B)
+        from splitserve.engine.transfer.nixl_transport import NixlTransport
+
+        return NixlTransport(stage_reshards=kind == "nixl")
+    if kind == "shm":
+        from splitserve.engine.transfer.shm_transport import ShmTransport
+
+        return ShmTransport()
+    from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport
+
+    return CudaIpcTransport()
+
+
+def pair_group(store_dir: str, rank: int, device: str):
+    store = torch.distributed.FileStore(os.path.join(store_dir, "store"), 2)
+    if device == "cuda":
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2)
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, timedelta(seconds=60))
+
+
+def source(conn, kind: str, max_blocks: int, device: str, store_dir: str, threads: int) -> None:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    kv = pool(max_blocks, HEADS, device)
+    if kind == "torch_dist":
+        from splitserve.engine.transfer.torch_dist import send_plan
+
+        conn.send((b"", b""))  # first: the destination joins the group after this
+        group = pair_group(store_dir, 0, device)
+        while (plan := conn.recv()) is not None:
+            send_plan(plan, 0, kv, {0: 1}, group=group)
+        return
+    transport = make(kind)
+    conn.send((transport.expose(kv), b""))
+    board = transport.board
+    while (msg := conn.recv()) is not None:
+        _, num_tokens, layer_s, request_id = msg
+        slot = board.open(request_id)
+        conn.send(("started", slot))
+        for layer in range(LAYERS):  # "compute" the layer, then publish it (readiness only)
+            time.sleep(layer_s)
+            board.mark(slot, layer, None, (), num_tokens)
+        conn.send(time.monotonic())
+        conn.recv()  # the destination's ack
+        board.close(request_id)
+    transport.close()
+
+
+_COPY_BUFFERS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _copy_time(moved: int, device: str) -> float:
+    """One plain copy of `moved` bytes. The source holds data: never-written pages all map the
+    kernel's zero page, and reading them would time a cache-resident copy, not a memcpy."""
+    if moved not in _COPY_BUFFERS:
+        a = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=device)
+        _COPY_BUFFERS.clear()
+        _COPY_BUFFERS[moved] = (a, torch.empty_like(a).fill_(1))
+    a, b = _COPY_BUFFERS[moved]
+    _sync(device)
+    t0 = time.perf_counter()
+    b.copy_(a)
+    _sync(device)
+    return time.perf_counter() - t0
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _only_rank0(plan):
+    return replace(plan, ops=tuple(op for op in plan.ops if op.dst_rank == 0))
+
+
+def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, exposed, threads, out) -> None:
+    torch.set_num_threads(threads)
+    from splitserve.engine.transfer.plan import build_plan
+    from splitserve.engine.transfer.progress import request_tag
+    from splitserve.engine.transfer.streaming import StreamSpec, streamed_pull
+
+    meta, _ = conn.recv()
+    group = pair_group(store_dir, 1, device) if kind == "torch_dist" else None
+    transport = None if kind == "torch_dist" else make(kind)
+    rows = []
+    for n_tokens in tokens:
+        n = n_tokens // BLOCK
+        for case, dst_tp in (("same", 1), ("reshard", 2)):
+            kv = pool(n, HEADS // dst_tp, device)
+            plan = _only_rank0(build_plan(layout(1), layout(dst_tp), {0: list(range(n))},
+                                          {r: list(range(n)) for r in range(dst_tp)}))
+
+            def pull(plan=plan, kv=kv):
+                if kind == "torch_dist":
+                    from splitserve.engine.transfer.torch_dist import recv_plan
+
+                    conn.send(plan)
+                    return recv_plan(plan, 0, kv, {0: 0}, group=group)
+                return transport.pull(plan, 0, {0: meta}, kv)
+
+            pull()  # warm-up: registrations, mappings, connections
+            times, copies = [], []
+            for _ in range(repeats):  # interleaved, so both see the same machine load
+                t0 = time.perf_counter()
+                stats = pull()
+                _sync(device)
+                times.append(time.perf_counter() - t0)
+                copies.append(_copy_time(stats.num_bytes, device))
+            moved = stats.num_bytes
+            prefill_s = n_tokens / prefill_tok_s
+            row = dict(case=case, tokens=n_tokens, bytes=moved, gbps=moved / min(times) / 1e9,
+                       copy_gbps=moved / min(copies) / 1e9, prefill_s=prefill_s, exposed_off=None, exposed_on=None)
+            if kind in STREAMING and exposed:
+                row["exposed_off"] = min(_exposed(conn, n_tokens, prefill_s, f"off-{i}", pull, None)
+                                         for i in range(2))
+                def stream(rid, slot, plan=plan, kv=kv, n_tokens=n_tokens):
+                    spec = StreamSpec(slot, request_tag(rid), n_tokens)
+                    return streamed_pull(transport, plan, 0, {0: meta}, kv, spec, timeout_s=120, verify=False)
+
+                row["exposed_on"] = min(_exposed(conn, n_tokens, prefill_s, f"on-{i}", None, stream) for i in range(2))
+            rows.append(row)
+    conn.send(None)
+    out.put(rows)
+
+
+def _exposed(conn, n_tokens, prefill_s, request_id, pull_after, stream) -> float:
+    """Seconds the handoff ran past the end of a modelled prefill (0 if it finished within it)."""
+    conn.send(("prefill", n_tokens, prefill_s / LAYERS, request_id))
+    started, slot = conn.recv()
+    assert started == "started"
+    if stream is not None:
+        stream(request_id, slot)
+        done = time.monotonic()
+        prefill_end = conn.recv()
+    else:
+        prefill_end = conn.recv()
+        pull_after()
+        done = time.monotonic()
+    conn.send("ack")
+    return max(0.0, done - prefill_end)

@@ -1,0 +1,150 @@
+"""TTFT with prefill and decode in separate worker processes ÷ TTFT aggregated, in one run.
+
+Starts a prefill worker and a decode worker (`splitserve prefill-worker|decode-worker`,
+real gRPC, real processes, both on the same GPU, CUDA-IPC handoff) on the Llama-3.2-1B
+shape with random bf16 weights, and drives them as the router does:
+
+- aggregated: `Decode` without a handoff — the decode worker prefills and samples the
+  first token itself; TTFT = time to its first streamed token.
+- disaggregated: `Prefill` on the prefill worker; TTFT = time to its reply (the router
+  sends that first token to the client at once). Then `Decode` with the handoff:
+  "decode ready" = time until the decode worker has imported the KV and streamed.
+
+Prompts are fresh random tokens per request (no prefix-cache hits); medians over --reps.
+
+    python3 benchmarks/device_env.py && PYTHONPATH=/tmp/site python3 benchmarks/ttft_disagg.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from engine import make_checkpoint  # noqa: E402
+
+CFG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+           num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
+
+
+def start_worker(kind: str, model: str, flags: list[str], gpus: str | None = None) -> tuple[subprocess.Popen, str]:
+    """Start a worker process; (process, its gRPC address) once it prints READY.
+    `gpus`: its CUDA_VISIBLE_DEVICES (default: inherited)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve", kind, "--model", model, *flags],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    address: list[str] = []
+    ready = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            if not address and line.startswith("READY "):
+                address.append(line.split()[1])
+                ready.set()
+            elif "Error" in line or "Traceback" in line:
+                print(f"[{kind}] {line}", end="")
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(600)
+    if not address:
+        proc.kill()
+        raise SystemExit(f"{kind} did not start")
+    return proc, address[0]
+
+
+def main() -> None:
+    import grpc
+
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.wire import sampling_to_proto
+    from splitserve.proto.v1 import (
+        decode_worker_pb2,
+        decode_worker_pb2_grpc,
+        prefill_worker_pb2,
+        prefill_worker_pb2_grpc,
+    )
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=8192, help="prompt length")
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--transport", default="cuda_ipc")
+    args = p.parse_args()
+    flags = ["--device", "cuda", "--dtype", "bfloat16", "--transport", args.transport, "--block-size", "16",
+             "--buffer-size-gb", "16", "--max-tokens", str(max(8192, args.tokens)), "--max-requests", "8"]
+    g = torch.Generator().manual_seed(0)
+    sp = sampling_to_proto(SamplingParams(num_tokens_to_generate=4, temperature=0.0, ignore_eos=True))
+    with tempfile.TemporaryDirectory() as tmp:
+        make_checkpoint(Path(tmp), CFG, torch.bfloat16, "cuda")
+        prefill_proc, prefill_addr = start_worker("prefill-worker", tmp, flags)
+        decode_proc, decode_addr = start_worker("decode-worker", tmp, flags)
+        try:
+            with grpc.insecure_channel(prefill_addr) as pc, grpc.insecure_channel(decode_addr) as dc:
+                prefill = prefill_worker_pb2_grpc.PrefillWorkerStub(pc)
+                decode = decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+
+                def prompt() -> list[int]:
+                    return torch.randint(10, 100000, (args.tokens,), generator=g).tolist()
+
+                def aggregated(rid: str) -> float:
+                    t0 = time.perf_counter()
+                    stream = decode.Decode(decode_worker_pb2.DecodeRequest(request_id=rid, token_ids=prompt(),
+                                                                           sampling_params=sp), timeout=120)
+                    first = None
+                    for chunk in stream:
+                        if first is None and chunk.token_ids:
+                            first = time.perf_counter() - t0
+                    return first
+
+                def disaggregated(rid: str) -> tuple[float, float]:
+                    ids = prompt()
+                    t0 = time.perf_counter()
+                    resp = prefill.Prefill(prefill_worker_pb2.PrefillRequest(request_id=rid, token_ids=ids,
+                                                                             sampling_params=sp), timeout=120)
+                    ttft = time.perf_counter() - t0
+                    ready = None
+                    for chunk in decode.Decode(decode_worker_pb2.DecodeRequest(
+                            request_id=rid, token_ids=ids, sampling_params=sp, handoff=resp.handoff,
+                            prefill_address=prefill_addr), timeout=120):
+                        if ready is None and chunk.token_ids:
+                            ready = time.perf_counter() - t0
+                    return ttft, ready
+
+                for i in range(2):  # warm-up: kernels compile, graphs capture, IPC handles open
+                    aggregated(f"warm-a{i}")
+                    disaggregated(f"warm-d{i}")
+                agg, dis, ready = [], [], []
+                for i in range(args.reps):  # interleaved: drift hits both alike
+                    agg.append(aggregated(f"a{i}"))
+                    t, r = disaggregated(f"d{i}")
+                    dis.append(t)
+                    ready.append(r)
+        finally:
+            for proc in (prefill_proc, decode_proc):
+                proc.terminate()
+            for proc in (prefill_proc, decode_proc):
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+    a, d, r = (statistics.median(x) * 1e3 for x in (agg, dis, ready))
+    print(f"prompt {args.tokens} tokens, transport {args.transport}, {args.reps} reps (medians)")
+    print(f"{'TTFT aggregated ms':>20} {'TTFT disagg ms':>16} {'disagg/agg - 1':>15} {'decode ready ms':>16} {'ready/agg - 1':>14}")
+    print(f"{a:>20.2f} {d:>16.2f} {d / a - 1:>+15.2%} {r:>16.2f} {r / a - 1:>+14.2%}")
+    print("all aggregated ms:", " ".join(f"{x * 1e3:.1f}" for x in agg))
+    print("all disagg ms:    ", " ".join(f"{x * 1e3:.1f}" for x in dis))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""What a step produced: sampled tokens appended, stop checks run, requests finished.
+
+Shared by the engine (engine.py) and the simulated engine (sim_engine.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from splitserve.engine.request import GenerationResult, RequestStatus
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """One request's progress in one step."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    result: GenerationResult | None
+    """The request's state after the step; None for an unfinished request when the
+    engine's `snapshot_outputs` is off."""
+
+
+def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
+    """Append sampled tokens, run stop checks, finish requests. `ahead`: the step
+    ran with placeholders (step_pipeline.py) whose bookkeeping is done here."""
+    outputs = []
+    now = time.monotonic()
+    for chunk, res in zip(out.chunks, results, strict=True):
+        req = chunk.request
+        if req.status.is_finished:  # aborted, or ended a step earlier (a dropped row)
+            continue
+        if ahead:
+            req.output_token_ids.pop()  # the placeholder
+            engine.scheduler.update_computed(req, chunk.start + chunk.num_tokens)
+        req.prompt_log_probs.extend(res.prompt_log_probs)
+        if res.sample is None:
+            continue
+        token = res.sample.token_id
+        req.output_token_ids.append(token)
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if req.params.return_log_probs:
+            req.generated_log_probs.append(res.sample.logprob)
+        if res.sample.top_n is not None:
+            req.top_n_logprobs.append(res.sample.top_n)
+        delta, status = engine._stops[req.request_id].on_token(token)
+        if status is None and engine.config.role == "prefill":
+            status = RequestStatus.HANDOFF
+        if status is not None:
+            engine._finish(req, status, res.sample.logprob)
+        is_finished = req.status.is_finished
+        result = GenerationResult.from_request(req, is_finished) if is_finished or engine.snapshot_outputs else None
+        outputs.append(StepOutput(req.request_id, (token,), delta, result))
+    return outputs

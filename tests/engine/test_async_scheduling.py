@@ -1,0 +1,92 @@
+"""Async scheduling (engine/step_pipeline.py): a decode step stays in flight while
+the next is scheduled and fed its tokens on the device. Forced on here (on CPU the
+"device" is the CPU, but the bookkeeping is the same as on a GPU); every result
+must equal the plain engine's, and nothing may be left in the pool."""
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine import step_pipeline
+
+OPTIONS = dict(block_size_tokens=4, num_blocks=96, max_tokens=64)
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (int(torch.randint(1, 23, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
+
+
+def _run(ckpt, prompts, params, **options):
+    """Each prompt with its own params through `Engine.step`; (tokens, status) per request."""
+    llm = LLM(str(ckpt), **OPTIONS, **options)
+    engine = llm.engine
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                final[out.request_id] = (out.result.generated_tokens, out.result.status)
+    engine.check_integrity()
+    assert engine.pool.num_available == engine.pool.num_blocks  # every block back
+    return llm, [final[f"r{i}"] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        [SamplingParams(num_tokens_to_generate=n, temperature=0.0, ignore_eos=True) for n in (1, 5, 17, 9, 2, 30)],
+        "eos",  # requests ending on their termination id at different steps (see below)
+        # a sampled request among greedy ones: the engine does not run ahead while it runs
+        [SamplingParams(num_tokens_to_generate=12, temperature=0.8, seed=4, ignore_eos=True)]
+        + [SamplingParams(num_tokens_to_generate=12, temperature=0.0, ignore_eos=True)] * 5,
+    ],
+    ids=["lengths", "eos", "mixed-sampling"],
+)
+def test_async_scheduling_matches_plain(llama_ckpt, params):
+    prompts = _prompts(6)
+    if params == "eos":  # termination id = the token each request produces at step 2 + i
+        probe = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
+        _, free = _run(llama_ckpt, prompts, [probe] * 6, async_scheduling=False)
+        params = [
+            SamplingParams(num_tokens_to_generate=24, temperature=0.0, termination_id=tokens[2 + i])
+            for i, (tokens, _) in enumerate(free)
+        ]
+    _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False)
+    llm, ahead = _run(llama_ckpt, prompts, params, async_scheduling=True)
+    assert ahead == plain
+    if any(p.termination_id is not None for p in params):
+        assert sum(status == "stopped" for _, status in plain) >= 4
+    assert llm.engine.async_scheduling
+
+
+def test_async_scheduling_keeps_steps_in_flight_and_aborts_cleanly(llama_ckpt):
+    llm = LLM(str(llama_ckpt), **OPTIONS, async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(num_tokens_to_generate=20, temperature=0.0, ignore_eos=True)
+    for i, prompt in enumerate(_prompts(3, seed=1)):
+        engine.add_request(f"r{i}", prompt, params)
+    seen: dict[str, list[int]] = {}
+    in_flight_steps = 0
+    for _ in range(6):
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+        in_flight_steps += engine._inflight is not None
+        for req in engine.scheduler.running:  # a placeholder only while a step is in flight
+            assert (step_pipeline.PLACEHOLDER in req.output_token_ids) == (engine._inflight is not None)
+    assert in_flight_steps >= 3
+    assert engine.abort("r1")  # mid-flight: its row is dropped, its blocks freed
+    while engine.has_unfinished():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+    engine.check_integrity()
+    assert engine.pool.num_available == engine.pool.num_blocks
+    plain = LLM(str(llama_ckpt), **OPTIONS, async_scheduling=False).generate(_prompts(3, seed=1), params)
+    assert seen["r0"] == plain[0].generated_tokens and seen["r2"] == plain[2].generated_tokens
+    assert seen["r1"] == plain[1].generated_tokens[: len(seen["r1"])]
+    assert all(t != step_pipeline.PLACEHOLDER for toks in seen.values() for t in toks)
+
+
+def test_async_scheduling_defaults_off_without_cuda_graphs(llama_ckpt):
+    assert not LLM(str(llama_ckpt), **OPTIONS).engine.async_scheduling

@@ -1,0 +1,141 @@
+"""Layer-wise streaming through the engine's handoff path: a prefill engine with
+`transfer.layerwise` publishes its layers on the transport's progress board and names the slot
+in the descriptor; a decode engine with it pulls layer by layer, verifies each (layer, kv head)
+unit, then the block checksums, and generates exactly what a non-streamed handoff (and the
+aggregated engine) does — in process, and between real worker processes (same layout and
+reshards, NIXL and shm)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.handoff import RankEndpoint, build_descriptor, group_block_checksums, make_importer
+from splitserve.engine.handoff_layerwise import close_released, publish_layers
+from splitserve.engine.transfer import streaming
+from splitserve.engine.transfer.inproc import InProcTransport
+from tests.fixtures.models import build_hf_checkpoint
+from tests.fixtures.workers import disagg_generate, running_worker
+
+OPTIONS = dict(block_size_tokens=4, num_blocks=64, max_tokens=64)
+PARAMS = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True)
+HAS_NIXL = importlib.util.find_spec("nixl_cu13") is not None
+
+
+def _prefill(engine, transport, rid, prompt):
+    engine.add_request(rid, prompt, PARAMS)
+    while engine.has_unfinished():
+        engine.step()
+    h = engine.handoffs[rid]
+    slot = publish_layers(engine, transport.board, h)
+    meta = transport.expose(engine.kv_caches)
+    checksums = group_block_checksums(engine, h.block_ids)
+    return build_descriptor(engine, h, {0: RankEndpoint(0, "local", meta)}, "inproc", checksums, progress_slot=slot)
+
+
+def _decode_all(engine):
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out.result
+    return final
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["streamed", "all-at-once"])
+def test_streamed_import_generates_what_aggregated_serving_does(llama_ckpt, monkeypatch, layerwise):
+    prefill = LLM(str(llama_ckpt), role="prefill", layerwise=True, **OPTIONS).engine
+    decode = LLM(str(llama_ckpt), role="decode", layerwise=layerwise, **OPTIONS).engine
+    transport = InProcTransport()
+    transport.expose(prefill.kv_caches)
+    prompt = list(range(10, 31))  # 21 tokens: 6 blocks
+    desc = _prefill(prefill, transport, "r", prompt)
+    assert desc.progress_slot == 0 and transport.board.open_requests() == ["r"]
+    calls = []
+    real = streaming.streamed_pull
+    monkeypatch.setattr(streaming, "streamed_pull", lambda *a, **k: calls.append(a) or real(*a, **k))
+    stats = []
+    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None,
+                                make_importer(decode, transport, desc, stats_out=stats))
+    assert len(calls) == (1 if layerwise else 0)  # a decode side without layerwise ignores the slot
+    layers, heads, bs, hd = 4, 2, 4, 16  # the tiny test model (fp32)
+    assert stats[0].num_bytes == 6 * layers * 2 * heads * bs * hd * 4
+    expected = LLM(str(llama_ckpt), **OPTIONS).generate([prompt], PARAMS)[0]
+    assert _decode_all(decode).generated_tokens == expected.generated_tokens
+    assert prefill.release_handoff("r")
+    close_released(prefill, transport.board)  # the slot goes with the pin
+    assert transport.board.open_requests() == [] and transport.board.tensor.abs().sum() == 0
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
+def test_a_full_board_falls_back_to_an_unstreamed_handoff(llama_ckpt):
+    prefill = LLM(str(llama_ckpt), role="prefill", layerwise=True, **OPTIONS).engine
+    transport = InProcTransport(num_board_slots=1)
+    transport.expose(prefill.kv_caches)
+    transport.board.open("someone-else")
+    desc = _prefill(prefill, transport, "r", list(range(10, 19)))
+    assert desc.progress_slot is None
+    decode = LLM(str(llama_ckpt), role="decode", layerwise=True, **OPTIONS).engine
+    decode.add_imported_request("r", list(range(10, 19)), PARAMS, desc.first_token_id, None,
+                                make_importer(decode, transport, desc))
+    assert _decode_all(decode).generated_tokens == LLM(str(llama_ckpt), **OPTIONS).generate(
+        [list(range(10, 19))], PARAMS)[0].generated_tokens
+
+
+def test_layerwise_must_be_a_bool():
+    from splitserve.engine.config import TransferConfig
+
+    with pytest.raises(ValueError, match="layerwise must be a bool, got 'yes'"):
+        TransferConfig(layerwise="yes")
+    with pytest.raises(ValueError, match="num_progress_slots must be a positive number, got 0"):
+        TransferConfig(num_progress_slots=0)
+
+
+# ---- real worker processes ---------------------------------------------------------------------
+
+ENGINE_FLAGS = ["--block-size", "8", "--num-blocks", "256", "--max-tokens", "64", "--layerwise"]
+WORKER_PARAMS = SamplingParams(num_tokens_to_generate=12, temperature=0.0, return_log_probs=True)
+SHAPES = {"tp1": ["--tp", "1"], "tp2": ["--tp", "2"], "pp2": ["--pp", "2"]}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("layerwise")
+    build_hf_checkpoint(path, "llama", num_hidden_layers=2)
+    return str(path)
+
+
+def _prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 29, 40)]
+
+
+@pytest.fixture(scope="module")
+def expected(model_dir):
+    return LLM(model_dir, block_size_tokens=8, num_blocks=256).generate(_prompts(), WORKER_PARAMS)
+
+
+def _cases():
+    # Worker processes take 30-60 s a pair here: all slow; the default stage streams between real
+    # processes in tests/engine/transfer/test_transfer_streaming.py.
+    for transport, src, dst in (("shm", "tp1", "tp2"), ("nixl", "tp2", "tp1"), ("nixl", "tp1", "tp1"),
+                                ("shm", "tp2", "pp2")):
+        marks = [pytest.mark.slow]
+        if transport == "nixl":
+            marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
+        yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
+
+
+@pytest.mark.parametrize("transport, src, dst", list(_cases()))
+def test_streamed_handoff_between_worker_processes_matches_aggregated(model_dir, expected, transport, src, dst):
+    flags = [*ENGINE_FLAGS, "--transport", transport]
+    with (
+        running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
+        running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,
+    ):
+        results, _ = disagg_generate(pw.address, dw.address, _prompts(), WORKER_PARAMS)
+    for (tokens, logprobs, resp), ref in zip(results, expected, strict=True):
+        assert resp.handoff.HasField("progress_slot")  # published on the board, pulled layer by layer
+        assert tokens == ref.generated_tokens
+        assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)

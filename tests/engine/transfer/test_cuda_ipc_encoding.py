@@ -1,0 +1,51 @@
+"""CUDA-IPC endpoint metadata is plain JSON with allow-listed names, never a pickle:
+a peer's bytes can fail to map, never run code. (The mapping itself needs a GPU:
+benchmarks/ttft_disagg.py and multi_gpu.py exercise it on the H200.)"""
+
+import json
+
+import pytest
+import torch
+from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport, decode_ipc_handle, encode_ipc_handle
+from splitserve.engine.transfer.transport import TransferError
+
+ARGS = (torch.Tensor, torch.Size([2, 5, 8, 16, 64]), (40960, 8192, 1024, 64, 1), 0, torch.TypedStorage,
+        torch.bfloat16, 0, b"\x01\x02" * 32, 163840, 512, False, b"ref-counter", 8, b"\x07" * 64, True)
+
+
+def test_handle_round_trips_through_json():
+    wire = json.dumps(encode_ipc_handle(rebuild_cuda_tensor, ARGS))
+    assert decode_ipc_handle(json.loads(wire)) == ARGS
+    no_event = ARGS[:13] + (None, False)
+    assert decode_ipc_handle(json.loads(json.dumps(encode_ipc_handle(rebuild_cuda_tensor, no_event)))) == no_event
+
+
+@pytest.mark.parametrize(
+    "tamper",
+    [
+        lambda h: h.update(dtype="os.system"),
+        lambda h: h.update(storage_cls="Popen"),
+        lambda h: h.update(size=["1; rm -rf /"]),
+        lambda h: h.update(extra=1),
+        lambda h: h.pop("handle"),
+    ],
+)
+def test_tampered_handles_are_refused(tamper):
+    h = encode_ipc_handle(rebuild_cuda_tensor, ARGS)
+    tamper(h)
+    with pytest.raises(ValueError, match="malformed"):
+        decode_ipc_handle(h)
+
+
+def test_garbage_metadata_is_a_transfer_error_not_code():
+    transport = CudaIpcTransport()
+    for metadata in (b"\x80\x04\x95 not json", json.dumps([{"dtype": "float32"}]).encode()):
+        with pytest.raises(TransferError, match="CUDA IPC"):
+            transport._open(metadata)
+
+
+def test_only_cuda_reductions_are_encoded():
+    with pytest.raises(ValueError, match="IPC reduction"):
+        encode_ipc_handle(print, ARGS)

@@ -1,0 +1,73 @@
+"""Batched device sampling (kernels/sampling.py): masks equal the per-row host sampler's,
+draws are reproducible per seed, never pick a masked token, and follow the softmax."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.engine.sampler import process_logits  # noqa: E402
+from splitserve.engine.sampling_params import SamplingParams  # noqa: E402
+from splitserve.kernels.sampling import mask_logits, sample_rows  # noqa: E402
+
+
+def _params(n, t=1.0, k=0, p=0.0, device="cpu"):
+    return (torch.full((n,), t, device=device), torch.full((n,), k, device=device),
+            torch.full((n,), p, device=device))
+
+
+def test_masks_equal_the_host_sampler_row_by_row(device):
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 300, generator=g).to(device)
+    settings = [(0.7, 0, 0.0), (1.3, 5, 0.0), (0.9, 0, 0.8), (1.0, 40, 0.5)]
+    t = torch.tensor([s[0] for s in settings], device=device)
+    k = torch.tensor([s[1] for s in settings], device=device)
+    p = torch.tensor([s[2] for s in settings], device=device)
+    got = mask_logits(logits, t, k, p)
+    for row, (temp, top_k, top_p) in enumerate(settings):
+        want = process_logits(logits[row], SamplingParams(temperature=temp, top_k=top_k, top_p=top_p))
+        assert torch.equal(torch.isinf(got[row]), torch.isinf(want))
+        torch.testing.assert_close(got[row][~torch.isinf(want)], want[~torch.isinf(want)])
+
+
+def test_draws_are_seeded_and_respect_top_k(device):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 5000, generator=g).to(device)
+    seeds = torch.arange(100, 106, device=device)
+    t, k, p = _params(6, t=1.0, k=3, device=device)
+    a = sample_rows(logits, t, k, p, seeds)
+    assert torch.equal(a, sample_rows(logits, t, k, p, seeds))  # same seeds, same tokens
+    top3 = logits.topk(3, dim=-1).indices
+    assert all(int(a[i]) in top3[i].tolist() for i in range(6))
+    many = torch.stack([sample_rows(logits, t, k, p, seeds + 1000 * s) for s in range(8)])
+    assert len(set(many[:, 0].tolist())) > 1  # different seeds, different draws
+
+
+def test_draws_follow_the_softmax(device):
+    logits = torch.tensor([[0.0, 1.0, 2.0, -1.0]], device=device).repeat(2000, 1)
+    t, k, p = _params(2000, device=device)
+    tokens = sample_rows(logits, t, k, p, torch.arange(2000, device=device)).cpu()
+    freq = torch.bincount(tokens, minlength=4).float() / 2000
+    want = torch.softmax(logits[0].cpu(), -1)
+    assert (freq - want).abs().max() < 0.04, (freq, want)
+
+
+def test_top_p_over_top_k_values_equals_full_sort(device):
+    """Every top-p row has a top-k: the cheap path (top-p on the topk values) masks the same."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(3, 400, generator=g).to(device)
+    t = torch.tensor([0.8, 1.0, 1.2], device=device)
+    k = torch.tensor([30, 7, 100], device=device)
+    p = torch.tensor([0.6, 0.0, 0.9], device=device)
+    got = mask_logits(logits, t, k, p, max_top_k=100, any_top_p=True)
+    for row in range(3):
+        params = SamplingParams(temperature=float(t[row]), top_k=int(k[row]), top_p=float(p[row]))
+        assert torch.equal(torch.isinf(got[row]), torch.isinf(process_logits(logits[row], params)))
+
+
+def test_rejects_bad_shapes(device):
+    t, k, p = _params(2, device=device)
+    with pytest.raises(ValueError, match="expected"):
+        sample_rows(torch.zeros(1, 8, device=device), t, k, p, torch.zeros(1, dtype=torch.long, device=device))
