@@ -3,7 +3,8 @@ freshly allocated blocks (a collective: every rank pulls its part of the
 plan, then the group votes and verifies checksums) and admits the request.
 With torch_dist the transfer step instead asks the prefill worker to push
 (rank 0, through `DecodeState.ask_push`) and every rank receives its part.
-Rank 0 forwards each step's outputs to the streams waiting for them."""
+Hybrid models move the recurrent state with the KV (`make_importer`; torch_dist: a second push,
+engine/handoff_push_state.py). Rank 0 forwards each step's outputs to the streams waiting for them."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from splitserve.engine.handoff_push import (
     TorchDistTransport,
 )
 from splitserve.engine.serving import Command
+from splitserve.engine.state_handoff import StateStep, has_recurrent_state
 from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, TransportEndpoint
 
@@ -66,8 +68,11 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
     if isinstance(transport, TorchDistTransport) and endpoints is not None:
         transport.group_endpoints = [TorchDistEndpoint.from_bytes(e.agent_metadata) for e in endpoints.values()]
 
-    def transfer_step(desc: HandoffDescriptor, timeout_s: float, prefill_address: str) -> TransferStep | None:
-        """None: the default pull step of `transport`. Raises TransferError for a mismatch."""
+    def transfer_steps(
+        desc: HandoffDescriptor, timeout_s: float, prefill_address: str
+    ) -> tuple[TransferStep | None, StateStep | None]:
+        """The KV step and (hybrid models) the recurrent-state step; None: the default pull step
+        of `transport`. Raises TransferError for a mismatch."""
         if desc.transport_kind == "torch_dist":
             if not isinstance(transport, TorchDistTransport):
                 raise TransferError(f"handoff over torch_dist but this decode worker runs {transport.kind or 'another transport'}")
@@ -76,17 +81,22 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
             ask = None
             if state is not None and state.ask_push is not None:
                 ask = functools.partial(state.ask_push, prefill_address)
-            return transport.receive_step(engine, desc, ask, timeout_s)
+            state_step = None
+            if has_recurrent_state(engine):  # a second push, after the KV's
+                from splitserve.engine.handoff_push_state import state_receive_step
+
+                state_step = state_receive_step(engine, transport, desc, ask, timeout_s)
+            return transport.receive_step(engine, desc, ask, timeout_s), state_step
         if not isinstance(transport, KVTransport) or (transport.kind and transport.kind != desc.transport_kind):
             raise TransferError(f"handoff over {desc.transport_kind} but this decode worker runs {transport.kind}")
-        return None
+        return None, None
 
     def import_handler(engine: Engine, command: Command) -> ImportOutcome:
         started = time.monotonic()
         token_ids, params, desc, timeout_s, *rest = command.args
         prefill_address = rest[0] if rest else ""
         stats: list[TransferStats] = []
-        transfer = transfer_step(desc, timeout_s, prefill_address)
+        transfer, state_step = transfer_steps(desc, timeout_s, prefill_address)
         pull = transport if isinstance(transport, KVTransport) else None
         try:
             reused = engine.add_imported_request(
@@ -95,7 +105,7 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
                 params,
                 desc.first_token_id,
                 desc.first_token_logprob,
-                make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer),
+                make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer, state_step=state_step),
             )
         except TransferError as exc:
             # Every rank gets here together (the importer votes). After a refused push or a checksum

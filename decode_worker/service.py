@@ -24,6 +24,7 @@ from splitserve.engine import fault_injection
 from splitserve.engine.block_pool import NoFreeBlocksError
 from splitserve.engine.handoff_push import PushGrant, PushRefusedError, PushRequest
 from splitserve.engine.serving import Command
+from splitserve.engine.state_handoff import missing_state
 from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.transfer.transport import TransferError, TransferStats
 from splitserve.engine.wire import (
@@ -158,7 +159,10 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 return None
             await fault_injection.hold("transfer", request_id)
             error: Exception | None = None
-            for attempt in range(self.pull_attempts):
+            if (reason := missing_state(self.engine, desc)) is not None:  # nothing to pull that could continue it
+                log.warning("handoff of %s: %s; recomputing the prompt here", request_id, reason)
+                error = TransferError(reason)
+            for attempt in range(self.pull_attempts if error is None else 0):
                 try:
                     self.last_import = await self._submit(
                         Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))

@@ -29,108 +29,37 @@ Same host only: the rendezvous is a `FileStore` in a directory of the prefill wo
 (NCCL) no prefill rank may share a GPU with a decode rank — NCCL refuses such a group — so the
 decode side checks the GPU UUIDs in the endpoints and refuses before asking (use nixl or
 cuda_ipc for workers sharing GPUs).
+
+Hybrid models: the recurrent state follows the KV as a second push over the same group
+(`PushRequest.state`; engine/handoff_push_state.py). The messages live in handoff_push_messages.py.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import os
 import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 
 import torch
 
 from splitserve.engine.handoff import HandoffDescriptor, TransferStep, engine_layout
-from splitserve.engine.transfer.layout import KVLayout
-from splitserve.engine.transfer.pair_group import BACKENDS, PairGroups, PairGroupSpec, backend_for
+from splitserve.engine.handoff_push_messages import (  # noqa: F401 - re-exported: the push API
+    PushGrant,
+    PushRefusedError,
+    PushRequest,
+    StatePush,
+    TorchDistEndpoint,
+    _gpu_uuid,
+    shared_gpus,
+)
+from splitserve.engine.transfer.pair_group import PairGroups, PairGroupSpec, backend_for
 from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.torch_dist import recv_plan, send_plan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransportEndpoint
-
-_MAGIC = b"SSTD1"
-
-
-class PushRefusedError(TransferError):
-    """The prefill side decided not to push (nothing pinned, incompatible peers, too busy):
-    nothing was sent, so the pair group's message stream is still in step and is kept."""
-
-
-@dataclass(frozen=True)
-class PushRequest:
-    """Decode → prefill: push this request's KV to us (mirrors the PushKV proto)."""
-
-    request_id: str
-    dst_layout: KVLayout
-    dst_block_ids: tuple[int, ...]
-    """The request's block table on every decode rank (at least as long as the source's)."""
-    first_block: int
-    """Blocks before it are cached on the decode side and not sent."""
-    decode_worker_id: str
-    group_key: str | None
-    """The key of the group the decode side has cached with this prefill worker, if any."""
-    backend: str
-    """gloo or nccl: where the decode side's KV lives; the prefill's must match."""
-    timeout_s: float
-    """Deadline of every wait of the push on both sides (rendezvous, each transfer)."""
-
-    def __post_init__(self) -> None:
-        if not self.request_id or not self.decode_worker_id:
-            raise ValueError(f"push needs a request id and a decode worker id, got {self.request_id!r}, "
-                             f"{self.decode_worker_id!r}")
-        if self.first_block < 0 or self.first_block > len(self.dst_block_ids):
-            raise ValueError(f"first_block {self.first_block!r} out of range for {len(self.dst_block_ids)} blocks")
-        if not self.timeout_s > 0:
-            raise ValueError(f"push timeout must be > 0 s, got {self.timeout_s!r}")
-        if self.backend not in BACKENDS:
-            raise ValueError(f"push backend must be one of {BACKENDS}, got {self.backend!r}")
-
-
-@dataclass(frozen=True)
-class PushGrant:
-    """Prefill → decode: the push will happen, over this group."""
-
-    group_key: str
-    store_path: str
-    """The group's `FileStore` file (used only when the group is new)."""
-    is_new_group: bool
-    """False: both sides reuse their cached group with each other."""
-
-
-@dataclass(frozen=True)
-class TorchDistEndpoint:
-    """A torch_dist rank's endpoint metadata (the descriptor's `agent_metadata`)."""
-
-    worker_id: str
-    """Identifies the worker (its rank 0 transport); pair groups are cached per peer worker."""
-    backend: str
-    gpu_uuid: str = ""
-    """The rank's GPU ("" on CPU): NCCL cannot put two ranks of one group on one GPU."""
-
-    def to_bytes(self) -> bytes:
-        fields = {"worker_id": self.worker_id, "backend": self.backend, "gpu_uuid": self.gpu_uuid}
-        return _MAGIC + json.dumps(fields).encode()
-
-    @staticmethod
-    def from_bytes(data: bytes) -> TorchDistEndpoint:
-        if not data.startswith(_MAGIC):
-            raise ValueError(f"not torch_dist endpoint metadata (starts {data[:8]!r})")
-        fields = json.loads(data[len(_MAGIC):])
-        return TorchDistEndpoint(worker_id=fields["worker_id"], backend=fields["backend"],
-                                 gpu_uuid=fields.get("gpu_uuid", ""))
-
-
-def _gpu_uuid(device: torch.device) -> str:
-    return str(torch.cuda.get_device_properties(device).uuid) if device.type == "cuda" else ""
-
-
-def shared_gpus(a: Iterable[TorchDistEndpoint], b: Iterable[TorchDistEndpoint]) -> set[str]:
-    """GPUs holding a rank of both sides (NCCL refuses such a group: "Duplicate GPU detected")."""
-    return ({e.gpu_uuid for e in a} & {e.gpu_uuid for e in b}) - {""}
 
 
 class TorchDistTransport(TransportEndpoint):
@@ -181,7 +110,12 @@ class TorchDistTransport(TransportEndpoint):
         """
         if push.backend != self.backend:
             raise TransferError(f"decode KV needs {push.backend} but this prefill worker's KV needs {self.backend}")
-        _push_plan(engine, push)
+        if push.state is None:
+            _push_plan(engine, push)
+        else:
+            from splitserve.engine.handoff_push_state import check_state_push
+
+            check_state_push(engine, push)
         key = self.groups.key_for(push.decode_worker_id)
         if key is not None and key == push.group_key:
             return PushGrant(key, self._store_path(key), is_new_group=False)
@@ -190,12 +124,15 @@ class TorchDistTransport(TransportEndpoint):
 
     def send(self, engine, push: PushRequest, grant: PushGrant) -> TransferStats:
         """Every prefill rank: join (or reuse) the pair group and send this rank's ops."""
-        plan = _push_plan(engine, push)
-        src_world = plan.src.world_size
-        spec = PairGroupSpec(grant.group_key, grant.store_path, engine.ps.rank,
-                             src_world + plan.dst.world_size, self.backend)
+        src_world, dst_world = engine.ps.world_size, push.dst_layout.world_size
+        spec = PairGroupSpec(grant.group_key, grant.store_path, engine.ps.rank, src_world + dst_world, self.backend)
         group = self.groups.get(push.decode_worker_id, spec, self.device, push.timeout_s)
-        peers = {d: src_world + d for d in range(plan.dst.world_size)}
+        peers = {d: src_world + d for d in range(dst_world)}
+        if push.state is not None:
+            from splitserve.engine.handoff_push_state import send_state
+
+            return send_state(engine, push, peers, group)
+        plan = _push_plan(engine, push)
         return send_plan(plan, engine.ps.rank, engine.kv_caches, peers, group, push.timeout_s)
 
     # ---------------------------------------------------------- decode side
@@ -208,44 +145,62 @@ class TorchDistTransport(TransportEndpoint):
     ) -> TransferStep:
         """The importer's transfer step for `desc` (every decode rank; `ask` on rank 0 only:
         it calls the prefill worker's PushKV and returns its grant, or raises)."""
-        try:
-            sources = [TorchDistEndpoint.from_bytes(e.agent_metadata) for _, e in sorted(desc.endpoints.items())]
-            source = sources[0]
-        except (IndexError, KeyError, ValueError) as exc:
-            raise TransferError(f"handoff {desc.request_id}: bad torch_dist endpoint: {exc}") from exc
+        source = self.source_of(desc)
 
         def step(plan: TransferPlan, dst_block_ids: list[int]) -> TransferStats:
             start = time.perf_counter()
-            answer: PushGrant | tuple[bool, str] | None = None
-            if engine.ps.rank == 0:
-                try:
-                    if source.backend != self.backend:
-                        raise PushRefusedError(f"prefill KV needs {source.backend}, ours needs {self.backend}")
-                    if shared := shared_gpus(sources, self.group_endpoints):
-                        raise PushRefusedError(f"prefill and decode ranks share GPU {sorted(shared)}; NCCL cannot "
-                                               "join them: give the workers different GPUs, or use nixl / cuda_ipc")
-                    if ask is None:
-                        raise PushRefusedError("no way to reach the prefill worker")
-                    answer = ask(PushRequest(
-                        request_id=desc.request_id, dst_layout=plan.dst, dst_block_ids=tuple(dst_block_ids),
-                        first_block=plan.first_block, decode_worker_id=self.worker_id,
-                        group_key=self.groups.key_for(source.worker_id), backend=self.backend, timeout_s=timeout_s,
-                    ))
-                except Exception as exc:  # every rank must learn it: they wait in the broadcast
-                    answer = (isinstance(exc, PushRefusedError), f"{type(exc).__name__}: {exc}")
-            answer = engine.ps.broadcast_from_first(answer)
-            if not isinstance(answer, PushGrant):
-                is_refused, reason = answer
-                kind = PushRefusedError if is_refused else TransferError
-                raise kind(f"asking the prefill worker to push failed: {reason}")
+            group = self.join_for_push(engine, desc, ask, PushRequest(
+                request_id=desc.request_id, dst_layout=plan.dst, dst_block_ids=tuple(dst_block_ids),
+                first_block=plan.first_block, decode_worker_id=self.worker_id,
+                group_key=self.groups.key_for(source.worker_id), backend=self.backend, timeout_s=timeout_s,
+            ), timeout_s)
             src_world = plan.src.world_size
-            spec = PairGroupSpec(answer.group_key, answer.store_path, src_world + engine.ps.rank,
-                                 src_world + plan.dst.world_size, self.backend)
-            group = self.groups.get(source.worker_id, spec, self.device, timeout_s)
             stats = recv_plan(plan, engine.ps.rank, engine.kv_caches, {s: s for s in range(src_world)}, group, timeout_s)
             return TransferStats(stats.num_bytes, time.perf_counter() - start, stats.num_regions)
 
         return step
+
+    def source_of(self, desc: HandoffDescriptor) -> TorchDistEndpoint:
+        """The prefill worker of `desc` (its rank 0 endpoint). Raises TransferError."""
+        try:
+            return TorchDistEndpoint.from_bytes(desc.endpoints[0].agent_metadata)
+        except (KeyError, ValueError) as exc:
+            raise TransferError(f"handoff {desc.request_id}: bad torch_dist endpoint: {exc}") from exc
+
+    def join_for_push(
+        self, engine, desc: HandoffDescriptor, ask: Callable[[PushRequest], PushGrant] | None,
+        request: PushRequest, timeout_s: float,
+    ):
+        """Every decode rank (a collective): rank 0 asks for the push (`request`), every rank
+        learns the answer and joins (or reuses) the pair group; returns the group. Raises
+        PushRefusedError (nothing will be sent) or TransferError."""
+        try:
+            sources = [TorchDistEndpoint.from_bytes(e.agent_metadata) for _, e in sorted(desc.endpoints.items())]
+        except ValueError as exc:
+            raise TransferError(f"handoff {desc.request_id}: bad torch_dist endpoint: {exc}") from exc
+        source = self.source_of(desc)
+        answer: PushGrant | tuple[bool, str] | None = None
+        if engine.ps.rank == 0:
+            try:
+                if source.backend != self.backend:
+                    raise PushRefusedError(f"prefill KV needs {source.backend}, ours needs {self.backend}")
+                if shared := shared_gpus(sources, self.group_endpoints):
+                    raise PushRefusedError(f"prefill and decode ranks share GPU {sorted(shared)}; NCCL cannot "
+                                           "join them: give the workers different GPUs, or use nixl / cuda_ipc")
+                if ask is None:
+                    raise PushRefusedError("no way to reach the prefill worker")
+                answer = ask(request)
+            except Exception as exc:  # every rank must learn it: they wait in the broadcast
+                answer = (isinstance(exc, PushRefusedError), f"{type(exc).__name__}: {exc}")
+        answer = engine.ps.broadcast_from_first(answer)
+        if not isinstance(answer, PushGrant):
+            is_refused, reason = answer
+            kind = PushRefusedError if is_refused else TransferError
+            raise kind(f"asking the prefill worker to push failed: {reason}")
+        src_world = desc.layout.world_size
+        spec = PairGroupSpec(answer.group_key, answer.store_path, src_world + engine.ps.rank,
+                             src_world + engine.ps.world_size, self.backend)
+        return self.groups.get(source.worker_id, spec, self.device, timeout_s)
 
     def forget_source(self, desc: HandoffDescriptor) -> None:
         """Decode side, every rank, after a failed import: drop the group with desc's prefill worker."""

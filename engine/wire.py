@@ -8,10 +8,12 @@ lives here, beside the dataclasses it produces.
 from __future__ import annotations
 
 from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint
-from splitserve.engine.handoff_push import PushGrant, PushRequest
+from splitserve.engine.handoff_push_messages import PushGrant, PushRequest, StatePush
 from splitserve.engine.request import GenerationResult
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.state_handoff import StateHandoff
 from splitserve.engine.transfer.layout import KVLayout
+from splitserve.engine.transfer.state_plan import StateLayout
 from splitserve.proto.v1 import common_pb2, handoff_pb2, prefill_worker_pb2
 
 FINISH_REASONS = {
@@ -92,6 +94,64 @@ def layout_from_proto(lay: handoff_pb2.KVLayout) -> KVLayout:
     )
 
 
+def state_layout_to_proto(layout: StateLayout) -> handoff_pb2.StateLayout:
+    return handoff_pb2.StateLayout(
+        tp=layout.tp,
+        pp=layout.pp,
+        num_layers=layout.num_layers,
+        layer_ranges=[handoff_pb2.LayerRange(start=s, end=e) for s, e in layout.layer_ranges],
+        num_heads=layout.num_heads,
+        head_dim=layout.head_dim,
+        num_groups=layout.num_groups,
+        state_size=layout.state_size,
+        conv_width=layout.conv_width,
+        conv_dtype=layout.conv_dtype,
+        ssm_dtype=layout.ssm_dtype,
+    )
+
+
+def state_layout_from_proto(lay: handoff_pb2.StateLayout) -> StateLayout:
+    """Raises ValueError for an invalid layout."""
+    sizes = {"tp": lay.tp, "pp": lay.pp, "num_heads": lay.num_heads, "head_dim": lay.head_dim,
+             "num_groups": lay.num_groups, "state_size": lay.state_size, "conv_width": lay.conv_width}
+    if bad := {k: v for k, v in sizes.items() if v < 1}:
+        raise ValueError(f"recurrent-state layout sizes must be >= 1, got {bad}")
+    return StateLayout(
+        tp=lay.tp,
+        pp=lay.pp,
+        num_layers=lay.num_layers,
+        layer_ranges=tuple((r.start, r.end) for r in lay.layer_ranges),
+        num_heads=lay.num_heads,
+        head_dim=lay.head_dim,
+        num_groups=lay.num_groups,
+        state_size=lay.state_size,
+        conv_width=lay.conv_width,
+        conv_dtype=lay.conv_dtype,
+        ssm_dtype=lay.ssm_dtype,
+    )
+
+
+def state_to_proto(h: StateHandoff) -> handoff_pb2.StateHandoff:
+    return handoff_pb2.StateHandoff(
+        layout=state_layout_to_proto(h.layout),
+        slot=h.slot,
+        checksum=h.checksum,
+        endpoints=[handoff_pb2.StateEndpoint(rank=r, data=data) for r, data in sorted(h.endpoints.items())],
+    )
+
+
+def state_from_proto(msg: handoff_pb2.StateHandoff) -> StateHandoff:
+    """Raises ValueError for a malformed state handoff."""
+    if msg.slot < 0:
+        raise ValueError(f"state slot must be >= 0, got {msg.slot!r}")
+    return StateHandoff(
+        layout=state_layout_from_proto(msg.layout),
+        slot=msg.slot,
+        checksum=msg.checksum,
+        endpoints={e.rank: e.data for e in msg.endpoints},
+    )
+
+
 def descriptor_to_proto(d: HandoffDescriptor) -> handoff_pb2.HandoffDescriptor:
     msg = handoff_pb2.HandoffDescriptor(
         request_id=d.request_id,
@@ -111,6 +171,10 @@ def descriptor_to_proto(d: HandoffDescriptor) -> handoff_pb2.HandoffDescriptor:
     )
     if d.first_token_logprob is not None:
         msg.first_token_logprob = d.first_token_logprob
+    if d.progress_slot is not None:
+        msg.progress_slot = d.progress_slot
+    if d.state is not None:
+        msg.state.CopyFrom(state_to_proto(d.state))
     return msg
 
 
@@ -129,6 +193,8 @@ def descriptor_from_proto(msg: handoff_pb2.HandoffDescriptor) -> HandoffDescript
         block_checksums=tuple(msg.block_checksums),
         first_token_logprob=msg.first_token_logprob if msg.HasField("first_token_logprob") else None,
         first_token_top_logprobs={t.token_id: t.logprob for t in msg.first_token_top_logprobs},
+        progress_slot=msg.progress_slot if msg.HasField("progress_slot") else None,
+        state=state_from_proto(msg.state) if msg.HasField("state") else None,
     )
 
 
@@ -142,6 +208,8 @@ def push_to_proto(p: PushRequest) -> prefill_worker_pb2.PushKVRequest:
         group_key=p.group_key or "",
         backend=p.backend,
         timeout_ms=max(1, round(p.timeout_s * 1000)),
+        state=None if p.state is None else prefill_worker_pb2.StatePush(
+            dst_layout=state_layout_to_proto(p.state.dst_layout), dst_slot=p.state.dst_slot),
     )
 
 
@@ -156,6 +224,7 @@ def push_from_proto(msg: prefill_worker_pb2.PushKVRequest) -> PushRequest:
         group_key=msg.group_key or None,
         backend=msg.backend,
         timeout_s=msg.timeout_ms / 1000,
+        state=StatePush(state_layout_from_proto(msg.state.dst_layout), msg.state.dst_slot) if msg.HasField("state") else None,
     )
 
 

@@ -29,12 +29,14 @@ from splitserve.engine.handoff import RankEndpoint
 from splitserve.engine.llm import build_engine_config
 from splitserve.engine.serving import EngineLoop
 from splitserve.engine.sim_engine import SimConfig
+from splitserve.engine.state_handoff import expose_state
 from splitserve.engine.transfer.transport import TransportEndpoint
+from splitserve.engine.worker_integrity import check_integrity
 from splitserve.telemetry.metrics import WorkerMetrics
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("nixl", "inproc", "cuda_ipc", "torch_dist")
+TRANSPORTS = ("nixl", "inproc", "cuda_ipc", "torch_dist", "shm")
 ENGINES = ("torch", "sim")
 
 
@@ -87,6 +89,10 @@ def make_transport(kind: str) -> TransportEndpoint:
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
         return NixlTransport()
+    if kind == "shm":
+        from splitserve.engine.transfer.shm_transport import ShmTransport
+
+        return ShmTransport()
     if kind == "cuda_ipc":
         from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport
 
@@ -119,12 +125,14 @@ HooksFactory = Callable[[Engine, TransportEndpoint, "dict[int, RankEndpoint] | N
 
 
 def _expose(engine: Engine, transport: TransportEndpoint, address: str) -> dict[int, RankEndpoint] | None:
-    """Expose this rank's KV pool; rank 0 gets every rank's endpoint (a collective)."""
+    """Expose this rank's KV pool (and a hybrid model's recurrent state, first: NIXL's agent
+    metadata must cover it); rank 0 gets every rank's endpoint (a collective)."""
+    state_metadata = expose_state(engine, transport)
     metadata = transport.expose(engine.kv_caches)
-    gathered = engine.ps.gather_to_first((address, metadata))
+    gathered = engine.ps.gather_to_first((address, metadata, state_metadata))
     if gathered is None:
         return None
-    return {r: RankEndpoint(r, addr, meta) for r, (addr, meta) in enumerate(gathered)}
+    return {r: RankEndpoint(r, addr, meta, state) for r, (addr, meta, state) in enumerate(gathered)}
 
 
 def _lifecycle_handlers(spec: WorkerSpec, transport: TransportEndpoint, state: Any) -> dict[str, Any]:
@@ -187,6 +195,7 @@ def _build_rank(
             **_lifecycle_handlers(spec, transport, state),
             **(hooks.get("handlers") or {}),
             "block_set": block_set,
+            "integrity": lambda e, c: check_integrity(e),
         },
     )
     return engine, transport, loop, state
@@ -236,6 +245,10 @@ class WorkerGroup:
         self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory, publisher)
         self.metrics = WorkerMetrics(spec.role, self.engine)
         """Prometheus metrics of this worker (served by worker_server.py with --metrics-port)."""
+        self.has_crashed = False
+        """The engine loop died of an exception: nothing in flight will finish (see `on_crash`)."""
+        self.on_crash: Callable[[], None] | None = None
+        """Called from the engine thread right after a crash (worker_server.py stops the worker)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -244,6 +257,9 @@ class WorkerGroup:
             self.loop.run()
         except Exception:
             log.exception("engine loop crashed")
+            self.has_crashed = True
+            if self.on_crash is not None:
+                self.on_crash()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop every rank's loop and wait for them (idempotent)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from splitserve import grpc_security
 from splitserve.engine.worker_runtime import HooksFactory, WorkerGroup, WorkerSpec
 from splitserve.telemetry import init_process
 from splitserve.telemetry.metrics import start_metrics_server
@@ -42,10 +43,10 @@ async def serve_worker(
     # Bind first (port 0: the kernel picks a free one, no race with other processes), so
     # the address registered with the control plane is one this process already holds.
     # No SO_REUSEPORT: a second worker on the same port must fail loudly, not share it.
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc_security.aio_server(options=[("grpc.so_reuseport", 0)])
     host = listen.rpartition(":")[0]
     try:
-        port = server.add_insecure_port(listen)
+        port = grpc_security.add_port(server, listen)  # TLS when configured
     except RuntimeError:
         port = 0
     if port == 0:
@@ -93,16 +94,44 @@ async def serve_worker(
     for sig in (signal.SIGTERM, signal.SIGINT):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    crashed = asyncio.Event()
+    group.on_crash = lambda: loop.call_soon_threadsafe(crashed.set)
+    if group.has_crashed:
+        crashed.set()
+    await _first_set(stop, crashed)
     if follower is not None:
         follower.cancel()
-    await drain(group, health_servicer, registration, grace_s)
-    await server.stop(1.0)
+    if crashed.is_set():
+        # Nothing in flight can finish, so no drain: leave the topology, end the calls (the
+        # router retries them elsewhere) and exit non-zero so a supervisor restarts the worker.
+        group.draining = True
+        await health_servicer.enter_graceful_shutdown()
+        if registration is not None:
+            with contextlib.suppress(Exception):
+                await registration.close()
+    else:
+        await drain(group, health_servicer, registration, grace_s)
+    await server.stop(0 if crashed.is_set() else 1.0)
     if metrics_server is not None:
         metrics_server.stop()
     await asyncio.to_thread(group.close)
     if publisher is not None:
         publisher.close()
+    if crashed.is_set():
+        raise EngineCrashedError("the engine loop crashed (its traceback is logged above); exiting so that it is restarted")
+
+
+class EngineCrashedError(RuntimeError):
+    """The worker's engine loop died; the process exits with code 1."""
+
+
+async def _first_set(*events: asyncio.Event) -> None:
+    waits = [asyncio.ensure_future(e.wait()) for e in events]
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def drain(group: WorkerGroup, health_servicer, registration, grace_s: float) -> bool:
@@ -214,4 +243,7 @@ def run_worker_main(coro_factory: Callable[[], object], service: str = "splitser
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except EngineCrashedError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     return 0

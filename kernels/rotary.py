@@ -59,15 +59,15 @@ def _cache_rows(kv_ptr, slot, stride_kv_blk, stride_kv_h, stride_kv_tok, num_hea
 
 
 @triton.jit
-def _rotary_qk_write_kernel(
+def _rotary_qk_kernel(
     q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, kv_ptr, slot_ptr,
     stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_v_t, stride_v_h, stride_cs,
     stride_kv_kv, stride_kv_blk, stride_kv_h, stride_kv_tok,
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_KV: tl.constexpr,
 ):
-    """Program (t, 0): rotate q. Program (t, 1): rotate k, then write k and v at t's slot."""
+    """Program (t, 0): rotate q. Program (t, 1): rotate k, then (WRITE_KV) write k and v at t's slot."""
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     cos = cos_ptr + t * stride_cs
@@ -76,36 +76,20 @@ def _rotary_qk_write_kernel(
         _rotate(q_ptr, stride_q_t, stride_q_h, cos, sin, t, num_q_heads, HALF, BLOCK_HALF, BLOCK_HQ)
     else:
         lo, hi = _rotate(k_ptr, stride_k_t, stride_k_h, cos, sin, t, num_k_heads, HALF, BLOCK_HALF, BLOCK_HK)
-        slot = tl.load(slot_ptr + t).to(tl.int64)
-        if slot >= 0:
-            ty = kv_ptr.dtype.element_ty
-            dst, mask = _cache_rows(kv_ptr, slot, stride_kv_blk, stride_kv_h, stride_kv_tok, num_k_heads,
-                                    HALF, BLOCK_HALF, BLOCK_HK, PAGE_SIZE)
-            tl.store(dst, lo.to(ty), mask=mask)
-            tl.store(dst + HALF, hi.to(ty), mask=mask)
-            dst, mask = _cache_rows(kv_ptr + stride_kv_kv, slot, stride_kv_blk, stride_kv_h, stride_kv_tok,
-                                    num_k_heads, 2 * HALF, BLOCK_D, BLOCK_HK, PAGE_SIZE)
-            offs_h = tl.arange(0, BLOCK_HK)
-            offs_d = tl.arange(0, BLOCK_D)
-            v = tl.load(v_ptr + t * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
-            tl.store(dst, v.to(ty), mask=mask)
-
-
-@triton.jit
-def _rotary_qk_kernel(
-    q_ptr, k_ptr, cos_ptr, sin_ptr,
-    stride_q_t, stride_q_h, stride_k_t, stride_k_h, stride_cs,
-    num_q_heads, num_k_heads,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-):
-    t = tl.program_id(0).to(tl.int64)
-    which = tl.program_id(1)
-    cos = cos_ptr + t * stride_cs
-    sin = sin_ptr + t * stride_cs
-    if which == 0:
-        _rotate(q_ptr, stride_q_t, stride_q_h, cos, sin, t, num_q_heads, HALF, BLOCK_HALF, BLOCK_HQ)
-    else:
-        _rotate(k_ptr, stride_k_t, stride_k_h, cos, sin, t, num_k_heads, HALF, BLOCK_HALF, BLOCK_HK)
+        if WRITE_KV:
+            slot = tl.load(slot_ptr + t).to(tl.int64)
+            if slot >= 0:
+                ty = kv_ptr.dtype.element_ty
+                dst, mask = _cache_rows(kv_ptr, slot, stride_kv_blk, stride_kv_h, stride_kv_tok, num_k_heads,
+                                        HALF, BLOCK_HALF, BLOCK_HK, PAGE_SIZE)
+                tl.store(dst, lo.to(ty), mask=mask)
+                tl.store(dst + HALF, hi.to(ty), mask=mask)
+                dst, mask = _cache_rows(kv_ptr + stride_kv_kv, slot, stride_kv_blk, stride_kv_h, stride_kv_tok,
+                                        num_k_heads, 2 * HALF, BLOCK_D, BLOCK_HK, PAGE_SIZE)
+                offs_h = tl.arange(0, BLOCK_HK)
+                offs_d = tl.arange(0, BLOCK_D)
+                v = tl.load(v_ptr + t * stride_v_t + offs_h[:, None] * stride_v_h + offs_d[None, :], mask=mask)
+                tl.store(dst, v.to(ty), mask=mask)
 
 
 def apply_rotary_qk_checks(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
@@ -127,12 +111,7 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     num_tokens, num_q, head_dim = q.shape
     if num_tokens == 0:
         return
-    _rotary_qk_kernel[(num_tokens, 2)](
-        q, k, cos, sin, q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos.stride(0),
-        num_q, k.shape[1],
-        HALF=head_dim // 2, BLOCK_HALF=next_power_of_2(head_dim // 2),
-        BLOCK_HQ=next_power_of_2(num_q), BLOCK_HK=next_power_of_2(k.shape[1]), num_warps=4,
-    )
+    _launch(q, k, k, cos, sin, None, None)
 
 
 def apply_rotary_qk_and_write_kv(
@@ -149,11 +128,20 @@ def apply_rotary_qk_and_write_kv(
     num_tokens, num_q, head_dim = q.shape
     if num_tokens == 0:
         return
-    _rotary_qk_write_kernel[(num_tokens, 2)](
-        q, k, v, cos, sin, kv, slot_mapping,
+    _launch(q, k, v, cos, sin, kv, slot_mapping)
+
+
+def _launch(q, k, v, cos, sin, kv, slot_mapping) -> None:
+    """The one launch of both entry points; kv None: rotation only."""
+    num_tokens, num_q, head_dim = q.shape
+    write = kv is not None
+    cache = kv if write else k  # a stand-in, never touched without WRITE_KV
+    strides = (kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3)) if write else (0, 0, 0, 0)
+    _rotary_qk_kernel[(num_tokens, 2)](
+        q, k, v, cos, sin, cache, slot_mapping if write else cos,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), cos.stride(0),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        num_q, k.shape[1],
+        *strides, num_q, k.shape[1],
         HALF=head_dim // 2, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_HQ=next_power_of_2(num_q), BLOCK_HK=next_power_of_2(k.shape[1]), PAGE_SIZE=kv.shape[3], num_warps=4,
+        BLOCK_HQ=next_power_of_2(num_q), BLOCK_HK=next_power_of_2(k.shape[1]),
+        PAGE_SIZE=kv.shape[3] if write else 1, WRITE_KV=write, num_warps=4,
     )

@@ -114,7 +114,9 @@ class CudaIpcTransport(KVTransport):
                 dh = slice(op.dst_head_start, op.dst_head_start + op.num_heads)
                 for i in range(op.num_layers):
                     s, d = src[op.src_layer_start + i], kv_tensors[op.dst_layer_start + i]
-                    for run in op.block_runs:  # a run is a strided slice: one copy kernel, no gather
+                    # a run is a strided slice: torch's copy kernel, no gather. (One Triton launch
+                    # for all layers, kernels/pack.py, measured 2-3x slower here: RESULTS.md.)
+                    for run in op.block_runs:
                         d[:, run.dst_block : run.dst_block + run.num_blocks, dh].copy_(
                             s[:, run.src_block : run.src_block + run.num_blocks, sh], non_blocking=True
                         )

@@ -17,18 +17,23 @@ MAX_SLICE_RUNS = 8
 def copy_op(op: TransferOp, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor]) -> None:
     """Copy `op` from `src` (its source-side tensors) to `dst` (its destination-side tensors).
 
-    CUDA with Triton: the pack kernel, one launch per layer. Otherwise (CPU), few runs: one
+    CUDA with Triton: the pack kernel, one launch for every layer of the op. Otherwise (CPU), few runs: one
     strided slice copy per (layer, run) — a reshard's head slice is just a stride; many runs
     (scattered block ids): gather + scatter per layer.
     """
-    if dst[0].is_cuda and _has_kernel():  # one launch per layer, whatever the runs (kernels/pack.py)
-        from splitserve.kernels.pack import copy_head_blocks
+    if dst[0].is_cuda and _has_kernel():  # one launch for all layers and runs (kernels/pack.py)
+        from splitserve.kernels.pack import copy_head_blocks, copy_head_blocks_layers
 
-        src_idx = torch.as_tensor(op.src_blocks(), dtype=torch.int32, device=dst[0].device)
-        dst_idx = torch.as_tensor(op.dst_blocks(), dtype=torch.int32, device=dst[0].device)
-        for i in range(op.num_layers):
-            copy_head_blocks(src[op.src_layer_start + i], dst[op.dst_layer_start + i], src_idx, dst_idx,
-                             op.src_head_start, op.dst_head_start, op.num_heads)
+        src_idx = torch.as_tensor(op.src_blocks(), dtype=torch.int32).to(dst[0].device, non_blocking=True)
+        dst_idx = torch.as_tensor(op.dst_blocks(), dtype=torch.int32).to(dst[0].device, non_blocking=True)
+        srcs = [src[op.src_layer_start + i] for i in range(op.num_layers)]
+        dsts = [dst[op.dst_layer_start + i] for i in range(op.num_layers)]
+        heads = (op.src_head_start, op.dst_head_start, op.num_heads)
+        try:
+            copy_head_blocks_layers(srcs, dsts, src_idx, dst_idx, *heads)
+        except ValueError:  # layers not mutually aligned: one launch per layer
+            for s, d in zip(srcs, dsts, strict=True):
+                copy_head_blocks(s, d, src_idx, dst_idx, *heads)
         return
     sh = slice(op.src_head_start, op.src_head_start + op.num_heads)
     dh = slice(op.dst_head_start, op.dst_head_start + op.num_heads)

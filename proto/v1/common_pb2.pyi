@@ -74,3 +74,35 @@ class AbortResponse(_message.Message):
     WAS_FOUND_FIELD_NUMBER: _ClassVar[int]
     was_found: bool
     def __init__(self, was_found: _Optional[bool] = ...) -> None: ...
+
+class IntegrityRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class IntegrityReport(_message.Message):
+    __slots__ = ("is_ok", "problem", "num_blocks", "num_free_blocks", "num_cached_blocks", "num_in_use_blocks", "num_pinned_blocks", "num_requests", "num_handoffs", "num_in_flight", "is_draining", "pid")
+    IS_OK_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_USE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PINNED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    IS_DRAINING_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    is_ok: bool
+    problem: str
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_in_use_blocks: int
+    num_pinned_blocks: int
+    num_requests: int
+    num_handoffs: int
+    num_in_flight: int
+    is_draining: bool
+    pid: int
+    def __init__(self, is_ok: _Optional[bool] = ..., problem: _Optional[str] = ..., num_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., num_cached_blocks: _Optional[int] = ..., num_in_use_blocks: _Optional[int] = ..., num_pinned_blocks: _Optional[int] = ..., num_requests: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., is_draining: _Optional[bool] = ..., pid: _Optional[int] = ...) -> None: ...

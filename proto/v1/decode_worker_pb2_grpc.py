@@ -51,6 +51,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
                 _registered_method=True)
+        self.CheckIntegrity = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/CheckIntegrity',
+                request_serializer=splitserve_dot_v1_dot_common__pb2.IntegrityRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.IntegrityReport.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -94,6 +99,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckIntegrity(self, request, context):
+        """Debug: checks the KV block pool's integrity on the engine thread and
+        reports its counts (tests assert it after every fault scenario).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -111,6 +124,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetBlockSet,
                     request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.SerializeToString,
+            ),
+            'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckIntegrity,
+                    request_deserializer=splitserve_dot_v1_dot_common__pb2.IntegrityRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.IntegrityReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -194,6 +212,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/GetBlockSet',
             splitserve_dot_v1_dot_prefill__worker__pb2.GetBlockSetRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__worker__pb2.BlockSet.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/CheckIntegrity',
+            splitserve_dot_v1_dot_common__pb2.IntegrityRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.IntegrityReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -75,7 +75,7 @@ class BlockSet(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., event_sequence: _Optional[int] = ..., block_digests: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class PushKVRequest(_message.Message):
-    __slots__ = ("request_id", "dst_layout", "dst_block_ids", "first_block", "decode_worker_id", "group_key", "backend", "timeout_ms")
+    __slots__ = ("request_id", "dst_layout", "dst_block_ids", "first_block", "decode_worker_id", "group_key", "backend", "timeout_ms", "state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +84,7 @@ class PushKVRequest(_message.Message):
     GROUP_KEY_FIELD_NUMBER: _ClassVar[int]
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     dst_layout: _handoff_pb2.KVLayout
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -92,7 +93,16 @@ class PushKVRequest(_message.Message):
     group_key: str
     backend: str
     timeout_ms: int
-    def __init__(self, request_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_handoff_pb2.KVLayout, _Mapping]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    state: StatePush
+    def __init__(self, request_id: _Optional[str] = ..., dst_layout: _Optional[_Union[_handoff_pb2.KVLayout, _Mapping]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., first_block: _Optional[int] = ..., decode_worker_id: _Optional[str] = ..., group_key: _Optional[str] = ..., backend: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., state: _Optional[_Union[StatePush, _Mapping]] = ...) -> None: ...
+
+class StatePush(_message.Message):
+    __slots__ = ("dst_layout", "dst_slot")
+    DST_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    DST_SLOT_FIELD_NUMBER: _ClassVar[int]
+    dst_layout: _handoff_pb2.StateLayout
+    dst_slot: int
+    def __init__(self, dst_layout: _Optional[_Union[_handoff_pb2.StateLayout, _Mapping]] = ..., dst_slot: _Optional[int] = ...) -> None: ...
 
 class PushKVResponse(_message.Message):
     __slots__ = ("group_key", "store_path", "is_new_group")

@@ -60,6 +60,11 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.CheckIntegrity = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/CheckIntegrity',
+                request_serializer=splitserve_dot_v1_dot_common__pb2.IntegrityRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_common__pb2.IntegrityReport.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -111,6 +116,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CheckIntegrity(self, request, context):
+        """Debug: checks the KV block pool's integrity on the engine thread and
+        reports its counts (tests assert it after every fault scenario).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -138,6 +151,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.SerializeToString,
+            ),
+            'CheckIntegrity': grpc.unary_unary_rpc_method_handler(
+                    servicer.CheckIntegrity,
+                    request_deserializer=splitserve_dot_v1_dot_common__pb2.IntegrityRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_common__pb2.IntegrityReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -275,6 +293,33 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/PushKV',
             splitserve_dot_v1_dot_prefill__worker__pb2.PushKVRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__worker__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CheckIntegrity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/CheckIntegrity',
+            splitserve_dot_v1_dot_common__pb2.IntegrityRequest.SerializeToString,
+            splitserve_dot_v1_dot_common__pb2.IntegrityReport.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,8 +4,8 @@ heads and groups split across ranks, conv channels as [x | B | C] runs) over rea
 a gloo pair group; greedy tokens equal the aggregated engine's, log-probs within 1e-5.
 
 Every (prefill tp, pp) × (decode tp, pp) in {1, 2}² runs with both transports; a few run in
-the default stage, the rest are marked slow. (Engine level: the gRPC prefill / decode
-workers do not carry the state yet — see README.)"""
+the default stage, the rest are marked slow. (Engine level; the same through the gRPC prefill / decode
+workers: tests/integration/test_hybrid_workers.py.)"""
 
 import importlib.util
 import uuid

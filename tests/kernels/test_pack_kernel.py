@@ -8,7 +8,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.kernels.pack import copy_head_blocks, copy_head_blocks_reference  # noqa: E402
+from splitserve.kernels.pack import (  # noqa: E402
+    copy_head_blocks,
+    copy_head_blocks_layers,
+    copy_head_blocks_reference,
+)
 
 
 @pytest.mark.parametrize(
@@ -40,3 +44,20 @@ def test_copy_head_blocks_refuses_bad_arguments(device):
         copy_head_blocks(src, dst, ids, ids, 0, 1, 2)
     with pytest.raises(ValueError, match="must be contiguous"):
         copy_head_blocks(src[:, :, ::2], dst, ids, ids, 0, 0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_copy_head_blocks_layers_is_one_launch_of_the_per_layer_copies(dtype, device):
+    """Separately allocated layers (as a KV pool's) in one launch = the per-layer reference."""
+    g = torch.Generator().manual_seed(11)
+    srcs = [torch.randn(2, 9, 4, 4, 8, generator=g).to(dtype).to(device) for _ in range(3)]
+    dsts = [torch.randn(2, 6, 2, 4, 8, generator=g).to(dtype).to(device) for _ in range(3)]
+    src_ids = torch.tensor([5, 0, 8], device=device)
+    dst_ids = torch.tensor([2, 3, 0], device=device)
+    expected = [d.clone() for d in dsts]
+    for s, e in zip(srcs, expected, strict=True):
+        copy_head_blocks_reference(s, e, src_ids, dst_ids, 2, 0, 2)
+    copy_head_blocks_layers(srcs, dsts, src_ids, dst_ids, 2, 0, 2)
+    assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True))
+    with pytest.raises(ValueError, match="first one's"):
+        copy_head_blocks_layers([srcs[0], srcs[1][:, :5]], dsts[:2], src_ids, dst_ids, 2, 0, 2)

@@ -56,8 +56,10 @@ def test_handoff_descriptor_has_exactly_the_agreed_fields():
     assert fields == [
         "request_id", "model_fingerprint", "layout", "rank_blocks", "num_tokens", "transport_kind",
         "rank_endpoints", "first_token_id", "first_token_logprob", "first_token_top_logprobs",
-        "lease_deadline_unix_ms", "unit_checksums", "block_checksums",
+        "lease_deadline_unix_ms", "unit_checksums", "block_checksums", "progress_slot", "state",
     ]  # fmt: skip
+    state = [f.name for f in handoff_pb2.StateHandoff.DESCRIPTOR.fields]
+    assert state == ["layout", "slot", "checksum", "endpoints"]
     assert handoff_pb2.HandoffDescriptor.DESCRIPTOR.fields_by_name["first_token_logprob"].has_presence
     layout = [f.name for f in handoff_pb2.KVLayout.DESCRIPTOR.fields]
     assert layout == ["dtype", "block_size", "tp", "pp", "num_layers", "num_kv_heads", "head_dim", "layer_ranges"]
