@@ -19,36 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from splitserve.engine.attention import AttentionMetadata, paged_attention
+from splitserve.engine.attention import AttentionMetadata
 from splitserve.engine.models.config import ModelConfig
-from splitserve.engine.models.llama import RMSNorm
+from splitserve.engine.models.llama import Attention, RMSNorm
 from splitserve.engine.models.mamba2 import Mamba2Mixer, MambaLayerState, MambaMetadata
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
-
-
-class HybridAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState):
-        super().__init__()
-        if cfg.num_heads % ps.tp_size:
-            raise ValueError(f"{cfg.num_heads} attention heads cannot be split over tp={ps.tp_size}")
-        self.ps = ps
-        self.head_dim = cfg.head_dim
-        self.num_heads = cfg.num_heads // ps.tp_size
-        kv_start, kv_end = kv_heads_of_rank(cfg.num_kv_heads, ps.tp_size, ps.tp_rank)
-        self.num_kv_heads = kv_end - kv_start
-        d, h, bias = cfg.head_dim, cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-
-    def forward(self, x: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv, meta, self.head_dim**-0.5)
-        return self.ps.all_reduce_tp(self.o_proj(o.reshape(t, -1)))
 
 
 class Relu2MLP(nn.Module):
@@ -73,7 +48,7 @@ class HybridBlock(nn.Module):
         if kind == "mamba":
             self.mixer = Mamba2Mixer(cfg, ps)
         elif kind == "attention":
-            self.mixer = HybridAttention(cfg, ps)
+            self.mixer = Attention(cfg, ps, qkv_bias=cfg.attention_bias, o_bias=cfg.attention_bias)
         else:
             self.mixer = Relu2MLP(cfg, ps)
 
@@ -134,7 +109,7 @@ class HybridCausalLM(nn.Module):
             if layer.kind == "mamba":
                 h = layer.mixer(h, next(state_iter), mamba_meta)
             elif layer.kind == "attention":
-                h = layer.mixer(h, next(kv_iter), meta)
+                h = layer.mixer(h, None, None, next(kv_iter), meta)
             else:
                 h = layer.mixer(h)
             hidden = hidden + h

@@ -37,7 +37,11 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, ps: ParallelState):
+    """GQA attention over the paged KV. `qkv_bias` / `o_bias` default to the Llama family's
+    (q/k/v bias as the config says, none on o_proj); hybrid models set both to their
+    `attention_bias` and pass no rotary (cos/sin None: NemotronH has no positional encoding)."""
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, *, qkv_bias: bool | None = None, o_bias: bool = False):
         super().__init__()
         if cfg.num_heads % ps.tp_size:
             raise ValueError(f"{cfg.num_heads} attention heads cannot be split over tp={ps.tp_size}")
@@ -48,19 +52,22 @@ class Attention(nn.Module):
         self.num_kv_heads = kv_end - kv_start
         self.scale = cfg.head_dim**-0.5
         d, h = cfg.head_dim, cfg.hidden_size
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        bias = cfg.qkv_bias if qkv_bias is None else qkv_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata
+        self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None, kv: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cos is not None:
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         o = paged_attention(q, k, v, kv, meta, self.scale)
         return self.ps.all_reduce_tp(self.o_proj(o.reshape(t, -1)))
 
