@@ -8,6 +8,7 @@ worker exactly there (tests/reliability/). Off unless one of these variables is 
 Phases (where the worker waits):
 
     prefill    prefill worker: the prompt is computed and its blocks are pinned, the reply not yet sent
+               (PrefillStream: the first token is out, the final response not)
     transfer   decode worker: the handoff arrived, the pull from the prefill worker not yet begun
     stream     decode worker: before each chunk of the token stream is sent
     crash      any worker: the engine loop raises at its next step (the milliseconds are ignored);

@@ -24,7 +24,7 @@ __all__ = [
     "apply_rotary_qk",
     "apply_rotary_qk_and_write_kv",
     "argmax_rows",
-    "kv_block_sums",
+    "kv_block_checksums",
     "paged_decode_attention",
     "paged_prefill_attention",
     "plan_decode",
@@ -48,7 +48,7 @@ _LAZY = {
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
     "argmax_rows": "argmax",
-    "kv_block_sums": "kv_checksum",
+    "kv_block_checksums": "kv_checksum",
     "sample_rows": "sampling",
     "silu_and_mul": "activation",
     "selective_state_update": "ssm_state_update",
@@ -59,7 +59,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .activation import silu_and_mul
     from .argmax import argmax_rows
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
-    from .kv_checksum import kv_block_sums
+    from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention

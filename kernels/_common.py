@@ -57,3 +57,36 @@ def check_kv(kv: torch.Tensor, head_dim: int) -> None:
 def check_last_dim_contiguous(name: str, t: torch.Tensor) -> None:
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+_LAYER_OFFSETS: dict[tuple, torch.Tensor] = {}
+_MAX_CACHED_OFFSETS = 64
+
+
+def layer_offsets(tensors, device: torch.device, align: int = 16) -> torch.Tensor:
+    """int64 element offsets of each layer's tensor from the first one's (one address space),
+    on `device`, so that one launch can serve every layer of a KV pool. Every layer must have
+    the first one's shape, strides, dtype and device (ValueError otherwise).
+
+    Cached by the tensors' addresses and the first one's shape and strides: a pool's layers (and
+    a peer's mapped pool) never move, so a handoff reuses one small device tensor and one check
+    instead of paying a host-to-device copy and ~50 µs of Python per launch (measured on the H200
+    at 8k tokens, where the whole copy takes ~140 µs). Offsets must be multiples of `align`
+    elements (keeps the kernels' loads vectorised)."""
+    first = tensors[0]
+    key = (str(device), first.dtype, tuple(first.shape), first.stride(), align, *(t.data_ptr() for t in tensors))
+    cached = _LAYER_OFFSETS.get(key)
+    if cached is not None:
+        return cached
+    for t in tensors[1:]:
+        if t.shape != first.shape or t.stride() != first.stride() or t.dtype != first.dtype or t.device != first.device:
+            raise ValueError("every layer must have the first one's shape, strides, dtype and device")
+    base, size = first.data_ptr(), first.element_size()
+    deltas = [t.data_ptr() - base for t in tensors]
+    if any(d % (align * size) for d in deltas):
+        raise ValueError(f"layer tensors are not {align}-element aligned to each other")
+    offsets = torch.tensor([d // size for d in deltas], dtype=torch.int64).to(device)
+    if len(_LAYER_OFFSETS) >= _MAX_CACHED_OFFSETS:
+        _LAYER_OFFSETS.clear()
+    _LAYER_OFFSETS[key] = offsets
+    return offsets

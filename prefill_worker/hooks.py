@@ -1,8 +1,15 @@
-"""Prefill role, on every rank: after a step, each request that reached its
-handoff gets its block checksums (and, for a hybrid model, its recurrent-state
-checksum) computed (collectives over the group); rank 0 then builds the descriptor and wakes the waiting `Prefill` call. With the
-torch_dist transport, the "push" command sends a pinned request's KV to the
-decode worker that asked (engine/handoff_push.py)."""
+"""Prefill role, on every rank: after a step, rank 0 first hands every request's
+sampled first token to its waiting call (PrefillStream sends it at once: the
+time to first token must not include the publication), then each request that
+reached its handoff gets its block checksums (and, for a hybrid model, its
+recurrent-state checksum) computed (collectives over the group); rank 0 then
+builds the descriptor and wakes the waiting `Prefill` / `PrefillStream` call. With
+the torch_dist transport, the "push" command sends a pinned request's KV to the
+decode worker that asked (engine/handoff_push.py).
+
+The futures are set on the engine thread and read on the service's event loop
+(asyncio.wrap_future); either side may get there first, so setting one that the
+call meanwhile cancelled is not an error."""
 
 from __future__ import annotations
 
@@ -20,6 +27,27 @@ from splitserve.engine.transfer.transport import TransferStats, TransportEndpoin
 
 
 @dataclass(frozen=True)
+class FirstToken:
+    """A request's first generated token, known before its handoff is published."""
+
+    token_id: int
+    logprob: float | None
+    """None unless the request asked for log-probs."""
+    top_logprobs: dict[int, float]
+    """Empty unless the request asked for top_n_logprobs."""
+    finished_as: str | None
+    """The request's status when this token already ended it ("stopped", "length"), else None."""
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> FirstToken:
+        logprobs, tops = result.generated_log_probs, result.top_n_logprobs
+        return cls(
+            result.generated_tokens[0], logprobs[0] if logprobs else None, dict(tops[0]) if tops else {},
+            None if result.status == "handoff" else result.status,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
 class PrefillOutcome:
     result: GenerationResult
     descriptor: HandoffDescriptor | None
@@ -28,18 +56,41 @@ class PrefillOutcome:
 
 @dataclass
 class PrefillState:
-    """Rank 0's bookkeeping: one future per in-flight Prefill call."""
+    """Rank 0's bookkeeping: futures of the in-flight Prefill / PrefillStream calls, by request id."""
 
     transport_kind: str
     endpoints: dict[int, RankEndpoint]
     waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    """PrefillOutcome futures: set once the handoff is published (or the request finished)."""
+    first_tokens: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    """FirstToken futures: set as soon as the token is sampled, before anything is published."""
     push_waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
     """torch_dist: PushKV calls waiting for the "push" command's decision, by push id."""
 
+    def signal_first_token(self, request_id: str, result: GenerationResult) -> None:
+        future = self.first_tokens.pop(request_id, None)
+        if future is not None:
+            _settle(future, FirstToken.of(result))
+
     def resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
-        future = self.waiters.pop(request_id, None)
-        if future is not None and not future.done():
-            future.set_result(outcome)
+        self.first_tokens.pop(request_id, None)  # normally gone already (signalled just before)
+        _settle(self.waiters.pop(request_id, None), outcome)
+
+    def forget(self, request_id: str) -> None:
+        """The call is gone (cancelled, timed out, aborted): drop and cancel its futures."""
+        for futures in (self.first_tokens, self.waiters):
+            future = futures.pop(request_id, None)
+            if future is not None:
+                future.cancel()
+
+
+def _settle(future: concurrent.futures.Future | None, value) -> None:
+    if future is None:
+        return
+    try:  # no done() check first: the event loop may cancel between the check and the set
+        future.set_result(value)
+    except concurrent.futures.InvalidStateError:  # cancelled meanwhile on the event loop: nobody waits
+        pass
 
 
 def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[int, RankEndpoint] | None) -> dict:
@@ -54,6 +105,10 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
     def after_step(engine: Engine, outputs: list[StepOutput]) -> None:
         if board() is not None:  # first: slots of released pins are free for this step's handoffs
             close_released(engine, board())
+        if state is not None:  # first tokens out before any checksum: they are the time to first token
+            for out in outputs:
+                if out.result.is_finished and out.result.generated_tokens:  # a handoff is finished too
+                    state.signal_first_token(out.request_id, out.result)
         for out in outputs:
             result = out.result
             if result.status == "handoff":

@@ -1,15 +1,22 @@
 """`splitserve.v1.PrefillWorker` over gRPC (asyncio) — the only proto ↔ dataclass
 conversion of the prefill worker (shared message conversion lives in engine/wire.py).
 
+Prefill and PrefillStream share one path (`_serve` → `_prefill`); the stream only
+also sends the first token the moment the engine thread hands it over (hooks.py), before
+the handoff is published, so the caller's time to first token excludes the publication.
+
 Errors map to status codes, never to tracebacks: bad input → INVALID_ARGUMENT,
 a full pinned-KV budget → RESOURCE_EXHAUSTED (retry elsewhere / later), a
-stopped engine → UNAVAILABLE. A cancelled call aborts the request on every rank.
+stopped engine → UNAVAILABLE, no first token / reply within the worker's own
+timeout → DEADLINE_EXCEEDED. A cancelled call (or a stream closed before its
+response) aborts the request on every rank.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 import uuid
@@ -21,17 +28,26 @@ from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.wire import (
+    FINISH_REASONS,
     descriptor_to_proto,
     finish_reason,
     grant_to_proto,
     push_from_proto,
     sampling_from_proto,
+    top_logprobs_to_proto,
 )
 from splitserve.engine.worker_integrity import integrity_to_proto
 from splitserve.engine.worker_runtime import WorkerGroup
-from splitserve.prefill_worker.hooks import PrefillOutcome
+from splitserve.prefill_worker.hooks import FirstToken, PrefillOutcome
 from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
-from splitserve.telemetry.spans import attached, emit_span, mark_error, mono_to_unix_ns, start_server_span
+from splitserve.telemetry.spans import (
+    FIRST_MESSAGE,
+    attached,
+    emit_span,
+    mark_error,
+    mono_to_unix_ns,
+    start_server_span,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +66,30 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         return await asyncio.wrap_future(self.loop.submit(command))
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+        """The whole prefill in one reply: the first token waits for the publication (PrefillStream does not)."""
+        response = None
+        async with contextlib.aclosing(self._serve(request, context, is_stream=False)) as messages:
+            async for response in messages:  # noqa: B007 - the last message is the reply
+                pass
+        return response
+
+    async def PrefillStream(self, request, context):  # noqa: N802
+        """The first token as soon as it is sampled, then the same response as Prefill."""
+        # aclosing: a stream closed early closes `_prefill` now (it aborts the request), not at GC.
+        async with contextlib.aclosing(self._serve(request, context, is_stream=True)) as messages:
+            async for message in messages:
+                if isinstance(message, FirstToken):
+                    yield prefill_worker_pb2.PrefillEvent(first_token=_first_token_to_proto(message))
+                else:
+                    yield prefill_worker_pb2.PrefillEvent(response=message)
+
+    async def _serve(self, request, context, is_stream: bool):
+        """Prefill and PrefillStream alike: the span, metrics, drain refusal and in-flight count
+        around `_prefill`, whose messages it passes on."""
         started = time.monotonic()
         span, span_context = start_server_span("prefill.request", context.invocation_metadata(), {
-            "rpc.system": "grpc", "rpc.service": "splitserve.v1.PrefillWorker", "rpc.method": "Prefill",
+            "rpc.system": "grpc", "rpc.service": "splitserve.v1.PrefillWorker",
+            "rpc.method": "PrefillStream" if is_stream else "Prefill",
             "splitserve.request_id": request.request_id, "splitserve.prompt_tokens": len(request.token_ids),
         })  # fmt: skip
         outcome = "error"
@@ -63,12 +100,16 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining; use another")
                 self.group.num_in_flight += 1
                 try:
-                    response = await self._prefill(request, context, started)
+                    async with contextlib.aclosing(self._prefill(request, context, started, is_stream)) as messages:
+                        async for message in messages:
+                            if isinstance(message, FirstToken):
+                                span.add_event(FIRST_MESSAGE)  # the trace report's reply leg starts here
+                            else:
+                                outcome = "handoff" if message.HasField("handoff") else "finished"
+                            yield message
                 finally:
                     self.group.num_in_flight -= 1
-                outcome = "handoff" if response.HasField("handoff") else "finished"
-                return response
-            except asyncio.CancelledError:
+            except (asyncio.CancelledError, GeneratorExit):
                 outcome = "cancelled"
                 raise
             except BaseException as exc:
@@ -79,7 +120,11 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
                 span.set_attribute("splitserve.outcome", outcome)
                 span.end()
 
-    async def _prefill(self, request, context, started: float):
+    async def _prefill(self, request, context, started: float, is_stream: bool):
+        """Yields the FirstToken once sampled (`is_stream` only), then the PrefillResponse.
+
+        A call that goes away before its response (cancelled, past `timeout_s`, or the
+        stream closed after its first token) aborts the request: nobody will pull its pins."""
         request_id = request.request_id or uuid.uuid4().hex
         try:
             params = sampling_from_proto(request.sampling_params)
@@ -93,38 +138,51 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             )
         if request_id in self.state.waiters:
             await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already prefilling")
+        first_token: concurrent.futures.Future = concurrent.futures.Future()
         waiter: concurrent.futures.Future = concurrent.futures.Future()
+        self.state.first_tokens[request_id] = first_token
         self.state.waiters[request_id] = waiter
+        deadline = started + self.timeout_s
+        first_sent = None
         try:
             await self._submit(Command("add", request_id, (list(request.token_ids), params)))
-            outcome: PrefillOutcome = await asyncio.wait_for(asyncio.wrap_future(waiter), self.timeout_s)
+            if is_stream:
+                first = await asyncio.wait_for(asyncio.wrap_future(first_token), deadline - time.monotonic())
+                first_sent = time.monotonic()
+                yield first
+            outcome: PrefillOutcome = await asyncio.wait_for(asyncio.wrap_future(waiter), deadline - time.monotonic())
+            if outcome.descriptor is not None:
+                await fault_injection.hold("prefill", request_id)
         except ValueError as exc:
-            self.state.waiters.pop(request_id, None)
+            self.state.forget(request_id)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except (asyncio.CancelledError, TimeoutError):
-            self.state.waiters.pop(request_id, None)
-            self.loop.submit(Command("abort", request_id))
+        except (asyncio.CancelledError, TimeoutError, GeneratorExit) as exc:
+            self.state.forget(request_id)
+            self.loop.submit(Command("abort", request_id))  # pinned or not: nobody will pull it
+            if isinstance(exc, TimeoutError):
+                await context.abort(
+                    grpc.StatusCode.DEADLINE_EXCEEDED, f"prefill of {request_id!r} took over {self.timeout_s:g} s"
+                )
             raise
         except RuntimeError as exc:  # the engine loop stopped
-            self.state.waiters.pop(request_id, None)
+            self.state.forget(request_id)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if outcome.descriptor is not None:
-            try:
-                await fault_injection.hold("prefill", request_id)
-            except asyncio.CancelledError:  # the caller is gone: nobody will pull the pinned copy
-                self.loop.submit(Command("abort", request_id))
-                raise
         response = prefill_worker_pb2.PrefillResponse(num_cached_tokens=outcome.result.num_cached_tokens)
         if outcome.descriptor is not None:
             response.handoff.CopyFrom(descriptor_to_proto(outcome.descriptor))
             self.metrics.handoffs.labels("prefill").inc()
         else:
             response.finish_reason = finish_reason(outcome.result)
-        response.timing.CopyFrom(self._record_timing(outcome, started))
-        return response
+        response.timing.CopyFrom(self._record_timing(outcome, started, first_sent))
+        yield response
 
-    def _record_timing(self, outcome: PrefillOutcome, started: float) -> prefill_worker_pb2.PrefillTiming:
-        """Phase spans (children of the current prefill.request span), metrics, and the reply's timing."""
+    def _record_timing(
+        self, outcome: PrefillOutcome, started: float, first_sent: float | None
+    ) -> prefill_worker_pb2.PrefillTiming:
+        """Phase spans (children of the current prefill.request span), metrics, and the reply's timing.
+
+        `first_sent`: when PrefillStream handed the first token to gRPC (None: unary Prefill). The
+        time to first token then ends there, so the publication is off its path (not a TTFT phase)."""
         result, now = outcome.result, time.monotonic()
         t = result.timing
         scheduled = t.first_scheduled if t and t.first_scheduled is not None else started
@@ -136,6 +194,8 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             "splitserve.computed_tokens": result.prompt_length - result.num_cached_tokens,
             "splitserve.prefill_chunks": num_chunks,
         }, is_ttft_phase=True)  # fmt: skip
+        if first_sent is not None:  # sampled -> handed to gRPC: the engine thread's wake-up of this call
+            emit_span("prefill.emit", mono_to_unix_ns(first), mono_to_unix_ns(first_sent), is_ttft_phase=True)
         desc = outcome.descriptor
         publish = {"splitserve.handoff": desc is not None}
         if desc is not None:
@@ -144,7 +204,8 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
                 "splitserve.kv.transport": desc.transport_kind, "splitserve.kv.blocks": len(desc.block_checksums),
                 "splitserve.kv.src_layout": layout_text(layout),
             })  # fmt: skip
-        emit_span("handoff.publish", mono_to_unix_ns(first), mono_to_unix_ns(now), publish, is_ttft_phase=True)
+        emit_span("handoff.publish", mono_to_unix_ns(first), mono_to_unix_ns(now), publish,
+                  is_ttft_phase=first_sent is None)  # fmt: skip
         m = self.metrics
         m.queue_seconds.labels("prefill").observe(scheduled - started)
         m.prefill_seconds.labels("prefill").observe(first - scheduled)
@@ -152,6 +213,7 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         return prefill_worker_pb2.PrefillTiming(
             handler_ms=(now - started) * 1e3, queue_ms=(scheduled - started) * 1e3, compute_ms=(first - scheduled) * 1e3,
             publish_ms=(now - first) * 1e3, num_chunks=num_chunks,
+            first_token_ms=0.0 if first_sent is None else (first_sent - started) * 1e3,
         )  # fmt: skip
 
     async def Release(self, request, context):  # noqa: N802
@@ -160,9 +222,7 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))
-        waiter = self.state.waiters.pop(request.request_id, None)
-        if waiter is not None and not waiter.done():
-            waiter.cancel()
+        self.state.forget(request.request_id)
         return common_pb2.AbortResponse(was_found=bool(found))
 
     async def GetBlockSet(self, request, context):  # noqa: N802
@@ -214,6 +274,16 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         if not isinstance(decision, PushGrant):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(decision))
         return grant_to_proto(decision)
+
+
+def _first_token_to_proto(first: FirstToken) -> prefill_worker_pb2.PrefillFirstToken:
+    message = prefill_worker_pb2.PrefillFirstToken(
+        token_id=first.token_id, top_logprobs=top_logprobs_to_proto(first.top_logprobs).top_logprobs,
+        finish_reason=FINISH_REASONS.get(first.finished_as, common_pb2.FINISH_REASON_UNSPECIFIED),
+    )  # fmt: skip
+    if first.logprob is not None:
+        message.logprob = first.logprob
+    return message
 
 
 def _push_done(push: PushRequest, waiter: concurrent.futures.Future, sent: concurrent.futures.Future) -> None:

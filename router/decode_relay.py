@@ -61,10 +61,12 @@ class DecodeRelay:
         self.metrics = metrics
         self._aborts = aborts
 
-    async def relay(self, run: RequestRun, prefill: PrefillResult | None) -> AsyncIterator[OutputChunk]:
-        """The decode stream's chunks (`prefill` None: aggregated, the decode worker prefills);
-        raises WorkerCallError when no retry can save the request."""
-        request, handoff = run.request, prefill.handoff if prefill else None
+    async def relay(
+        self, run: RequestRun, prefill: PrefillResult | None, start_from: GenerateRequest | None = None
+    ) -> AsyncIterator[OutputChunk]:
+        """The decode stream's chunks (`prefill` None: aggregated, the decode worker prefills `start_from`,
+        by default the request itself); raises WorkerCallError when no retry can save the request."""
+        request, handoff = start_from or run.request, prefill.handoff if prefill else None
         prefill_worker = self._view.worker(run.prefill_worker_id) if run.prefill_worker_id else None
         failed: set[str] = set()
         while True:
@@ -98,7 +100,7 @@ class DecodeRelay:
                             is_first, has_chunk = False, True
                             span.add_event(FIRST_MESSAGE)
                             run.decode_first_chunk_ms = (time.monotonic() - started) * 1e3
-                            if prefill is None:
+                            if run.first_token_in_hand_at is None:  # aggregated: this is the first token
                                 run.first_token_in_hand_at = time.monotonic()
                         if output.timing is not None:
                             run.decode_timing = output.timing

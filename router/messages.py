@@ -150,6 +150,8 @@ class PrefillTiming:
     compute_ms: float
     publish_ms: float
     num_chunks: int
+    first_token_ms: float = 0.0
+    """PrefillStream: call received to the first-token event sent (0: unary Prefill, publish_ms on the TTFT path)."""
 
 
 @dataclass(frozen=True)
@@ -184,8 +186,18 @@ class WorkerCallError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class PrefillFirstToken:
+    """PrefillWorker.PrefillStream's first event: the first token, sent before its handoff is published."""
+
+    first: Tokens
+    """One entry."""
+    finish_reason: FinishReason | None = None
+    """Set when this token already ends the request (the PrefillResult follows with nothing pinned)."""
+
+
+@dataclass(frozen=True)
 class PrefillResult:
-    """PrefillWorker.Prefill's reply."""
+    """PrefillWorker.Prefill's reply (PrefillStream's last event)."""
 
     first: Tokens
     """The first generated token (one entry)."""
@@ -193,7 +205,8 @@ class PrefillResult:
     finish_reason: FinishReason | None
     """Set when the first token ends the request (nothing is pinned then)."""
     handoff: bytes
-    """The serialized HandoffDescriptor: opaque to the router, passed on to Decode as is."""
+    """The serialized HandoffDescriptor: opaque to the router, passed on to Decode as is; empty when
+    `finish_reason` is set."""
     lease_deadline_unix_ms: int = 0
     timing: PrefillTiming | None = None
 

@@ -1,13 +1,14 @@
 """`Orchestrator`: one request from routing decision to last token (DESIGN.md "One request, disaggregated").
 
-    decide ─▶ Prefill(prefill worker) ─▶ first token to the client
-                 │ failed before the handoff: retry on another prefill worker
-                 │ (all failed: serve aggregated, or fail with enforce_disagg)
+    decide ─▶ PrefillStream(prefill worker) ─▶ first token to the client, then the handoff
+                 │ prefill_call.py: retried before the first token; after it, the decode
+                 │ worker goes on from prompt + first token (all failed: serve aggregated,
+                 │ or fail with enforce_disagg)
                  ▼
            Decode: decode_relay.py (relay, and its retries: same handoff, recompute, resume)
 
 Aggregated requests call Decode without a handoff (the decode worker prefills).
-A Prefill call has a deadline; a worker that failed UNAVAILABLE or
+A prefill call has a deadline; a worker that failed UNAVAILABLE or
 DEADLINE_EXCEEDED is skipped for a while (suspects.py). Cancellation (client
 gone, or Router.Abort) sends Abort to every worker the request touched, so
 pinned blocks are freed at once. Admission is a bound on requests in flight:
@@ -17,12 +18,12 @@ shared between router replicas.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
-import grpc
 from opentelemetry import trace
 
 from splitserve.engine.block_hash import hash_blocks
@@ -35,7 +36,6 @@ from splitserve.router.messages import (
     FinishReason,
     GenerateRequest,
     OutputChunk,
-    PrefillResult,
     Tokens,
     WorkerCallError,
 )
@@ -44,23 +44,17 @@ from splitserve.router.policy import (
     NoWorkersError,
     OverloadedError,
     RoutingError,
-    choose_prefill,
     route,
 )
+from splitserve.router.prefill_call import PrefillCaller, PrefillDone
 from splitserve.router.request_run import RequestRun
 from splitserve.router.request_telemetry import record_finished
-from splitserve.router.suspects import note_failure
-from splitserve.router.workers import WorkerEndpoint
 from splitserve.telemetry.logs import may_log_prompts
 from splitserve.telemetry.metrics import RouterMetrics
 from splitserve.telemetry.spans import (
-    FIRST_MESSAGE,
     TTFT_PHASE,
-    attached,
     emit_span,
-    mark_error,
     mono_to_unix_ns,
-    start_client_span,
     trace_id_hex,
 )
 from splitserve.telemetry.tracing import tracer
@@ -81,7 +75,7 @@ class Orchestrator:
     def __init__(
         self, config: RouterConfig, view: ClusterView, client: GrpcWorkerClient, metrics: RouterMetrics | None = None
     ) -> None:
-        """`client` may be any object with GrpcWorkerClient's prefill/decode/abort methods."""
+        """`client` may be any object with GrpcWorkerClient's prefill_stream/decode/abort methods."""
         self._config = config
         self._view = view
         self._client = client
@@ -90,6 +84,7 @@ class Orchestrator:
         self._pending_prefill_tokens = 0
         """Prompt tokens of running requests that have no first token yet (admission model)."""
         self._aborts = AbortSender(client, config.control_timeout_s)
+        self._prefill = PrefillCaller(config, view, client, self.metrics, self._aborts)
         self._decode = DecodeRelay(config, view, client, self.metrics, self._aborts)
 
     @property
@@ -200,87 +195,39 @@ class Orchestrator:
         run.prefill_worker_id, run.decode_worker_id = decision.prefill_worker_id, decision.decode_worker_id
         run.predicted_cached_tokens, run.reason = decision.num_predicted_cached_tokens, decision.reason
         run.num_transfer_blocks = decision.num_transfer_blocks
-        result = await self._prefill(run) if decision.is_disaggregated else None
+        done, first_sent = PrefillDone(None), False
+        if decision.is_disaggregated:
+            async with contextlib.aclosing(self._prefill.run(run)) as events:
+                async for event in events:
+                    if isinstance(event, PrefillDone):
+                        done = event
+                    else:  # the first token, before its handoff is published
+                        run.num_completion_tokens, first_sent = 1, True
+                        yield OutputChunk(event)
         if run.is_aborted:
             yield self._last(run, Tokens(), FinishReason.ABORT)
             return
+        result = done.result
         if result is not None:
             run.num_cached_tokens = result.num_cached_tokens
             run.num_completion_tokens = 1
             if result.finish_reason is not None:
-                yield self._last(run, result.first, result.finish_reason)
+                yield self._last(run, Tokens() if first_sent else result.first, result.finish_reason)
                 return
-            yield OutputChunk(result.first)
-        async for chunk in self._decode.relay(run, result):
+            if not first_sent:  # a reply without a first-token event
+                yield OutputChunk(result.first)
+        async for chunk in self._decode.relay(run, result, done.start_from):
             yield chunk
 
     def _snapshot(self, run: RequestRun, exclude: frozenset[str] = frozenset()):
         return self._view.snapshot(run.hashes, len(run.request.token_ids), exclude)
 
-    async def _prefill(self, run: RequestRun) -> PrefillResult | None:
-        """The prefill result, or None when every attempt failed and aggregated serving is allowed."""
-        failed: set[str] = set()
-        while run.prefill_worker_id is not None and run.num_prefill_attempts < self._config.max_prefill_attempts:
-            worker = self._view.worker(run.prefill_worker_id)
-            run.num_prefill_attempts += 1
-            started = time.monotonic()
-            span, ctx = start_client_span("router.prefill", {
-                "splitserve.worker": run.prefill_worker_id, "splitserve.attempt": run.num_prefill_attempts,
-                "splitserve.cache.predicted_tokens": run.predicted_cached_tokens,
-            })  # fmt: skip
-            try:
-                if worker is None:
-                    raise WorkerCallError(run.prefill_worker_id, "Prefill", grpc.StatusCode.UNAVAILABLE, "left the topology")
-                run.touched[worker.worker_id] = worker
-                with self._view.load.track(worker.worker_id), attached(ctx):
-                    result = await self._client.prefill(worker, run.request, run.decode_worker_id, self._config.prefill_timeout_s)
-                run.first_token_in_hand_at = time.monotonic()
-                span.add_event(FIRST_MESSAGE)
-                run.prefill_call_ms = (run.first_token_in_hand_at - started) * 1e3
-                run.prefill_timing = result.timing
-                span.set_attribute("splitserve.cache.actual_tokens", result.num_cached_tokens)
-                run.touched[worker.worker_id] = worker  # again: an Abort during the call cleared it
-                self._view.record_routed(worker.worker_id, run.hashes)
-                return result
-            except WorkerCallError as e:
-                mark_error(span, e)
-                if run.is_aborted:
-                    return None
-                if e.is_request_error:
-                    raise
-                note_failure(self._view.suspects, e)
-                log.warning("request %s: %s; retrying prefill elsewhere", run.request.request_id, e)
-                self.metrics.retries.labels("prefill").inc()
-                failed.add(e.worker_id)
-                if worker is not None:
-                    self._abort_worker(worker, run.request.request_id)  # it may have pinned blocks
-                    run.touched.pop(worker.worker_id, None)
-                pick = choose_prefill(self._snapshot(run, frozenset(failed)), self._config.policy)
-                run.prefill_worker_id = pick.worker_id if pick else None
-                run.reason += f"; prefill on {e.worker_id} failed ({e.code.name})"
-            finally:
-                run.prefill_ms += (time.monotonic() - started) * 1e3
-                span.end()
-        if self._enforce_disagg(run):
-            raise RoutingError(f"every prefill attempt failed and enforce_disagg is set ({run.reason})")
-        run.prefill_worker_id = None
-        run.num_transfer_blocks = 0
-        run.reason += "; serving aggregated"
-        return None
-
     # ---------------------------------------------------------------- helpers
-    def _enforce_disagg(self, run: RequestRun) -> bool:
-        override = run.request.enforce_disagg
-        return self._config.policy.enforce_disagg if override is None else override
-
     def _last(self, run: RequestRun, tokens: Tokens, finish_reason: FinishReason) -> OutputChunk:
         return run.last_chunk(tokens, finish_reason, time.monotonic())
 
     def _abort_workers(self, run: RequestRun) -> None:
         self._aborts.send_all(run.touched.values(), run.request.request_id)
-
-    def _abort_worker(self, worker: WorkerEndpoint, request_id: str) -> None:
-        self._aborts.send(worker, request_id)
 
 
 _REJECTION_REASONS = {OverloadedError: "overloaded", NoWorkersError: "no_workers", DisaggRequiredError: "disagg_required"}

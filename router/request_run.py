@@ -52,6 +52,9 @@ class RequestRun:
     num_cached_tokens: int = 0
     route_ms: float = 0.0
     prefill_ms: float = 0.0
+    """Prefill calls, failed ones included, each until its last message."""
+    prefill_failed_ms: float = 0.0
+    """Prefill calls that failed before their first token (on the TTFT path, like the one that answered)."""
     first_token_at: float | None = None
     """time.monotonic() when the first token was handed to the caller (Router.Generate)."""
     first_token_sent_at: float | None = None
@@ -59,7 +62,7 @@ class RequestRun:
     first_token_in_hand_at: float | None = None
     """time.monotonic() when the first token reached the router (prefill reply or first decode chunk)."""
     prefill_call_ms: float = 0.0
-    """The Prefill call that answered."""
+    """The Prefill call that produced the first token, until that token."""
     decode_call_started: float | None = None
     decode_first_chunk_ms: float = 0.0
     prefill_timing: PrefillTiming | None = None
@@ -89,7 +92,7 @@ class RequestRun:
         if self.first_token_in_hand_at is not None and self.first_token_sent_at is not None:
             relay_ms = (self.first_token_sent_at - self.first_token_in_hand_at) * 1e3
         times = RouterTimes(
-            self.route_ms, max(0.0, self.prefill_ms - self.prefill_call_ms), self.prefill_call_ms,
+            self.route_ms, self.prefill_failed_ms, self.prefill_call_ms,
             self.decode_first_chunk_ms, relay_ms,
         )  # fmt: skip
         d = self.decode_timing

@@ -41,6 +41,7 @@ from splitserve.router.messages import (
     GenerateRequest,
     KVEvent,
     OutputChunk,
+    PrefillFirstToken,
     PrefillResult,
     PrefillTiming,
     SamplingParams,
@@ -141,23 +142,39 @@ def prefill_request_to_proto(request: GenerateRequest, decode_worker_id: str) ->
     )  # fmt: skip
 
 
-def prefill_result_from_proto(message: prefill_worker_pb2.PrefillResponse) -> PrefillResult:
-    """Raises ValueError when the reply lacks its handoff (and with it the first token)."""
-    if not message.HasField("handoff"):
-        raise ValueError("PrefillResponse has no handoff (and so no first token)")
+def first_token_from_proto(message: prefill_worker_pb2.PrefillFirstToken) -> PrefillFirstToken:
+    first = _first_tokens(message.token_id, message.logprob if message.HasField("logprob") else None, message.top_logprobs)
+    return PrefillFirstToken(first, _FINISH_FROM_PROTO.get(message.finish_reason))
+
+
+def prefill_result_from_proto(message: prefill_worker_pb2.PrefillResponse, first: Tokens | None = None) -> PrefillResult:
+    """`first`: PrefillStream's first-token event, else the token is read from the handoff. Raises
+    ValueError when the reply has no first token, or neither a handoff nor a finish reason."""
+    has_handoff = message.HasField("handoff")
+    finish_reason = _FINISH_FROM_PROTO.get(message.finish_reason)
     handoff = message.handoff
-    logprobs = (handoff.first_token_logprob,) if handoff.HasField("first_token_logprob") else ()
-    tops = (tuple((t.token_id, t.logprob) for t in handoff.first_token_top_logprobs),)
-    first = Tokens((handoff.first_token_id,), logprobs, tops if handoff.first_token_top_logprobs else ())
+    if first is None:
+        if not has_handoff:
+            raise ValueError("PrefillResponse has no handoff (and so no first token)")
+        logprob = handoff.first_token_logprob if handoff.HasField("first_token_logprob") else None
+        first = _first_tokens(handoff.first_token_id, logprob, handoff.first_token_top_logprobs)
+    elif not has_handoff and finish_reason is None:
+        raise ValueError("PrefillResponse has neither a handoff nor a finish reason")
     timing = None
     if message.HasField("timing"):
         t = message.timing
-        timing = PrefillTiming(t.handler_ms, t.queue_ms, t.compute_ms, t.publish_ms, t.num_chunks)
+        timing = PrefillTiming(t.handler_ms, t.queue_ms, t.compute_ms, t.publish_ms, t.num_chunks, t.first_token_ms)
     return PrefillResult(
-        first=first, num_cached_tokens=message.num_cached_tokens,
-        finish_reason=_FINISH_FROM_PROTO.get(message.finish_reason), handoff=handoff.SerializeToString(),
-        lease_deadline_unix_ms=handoff.lease_deadline_unix_ms, timing=timing,
+        first=first, num_cached_tokens=message.num_cached_tokens, finish_reason=finish_reason,
+        handoff=handoff.SerializeToString() if has_handoff else b"", lease_deadline_unix_ms=handoff.lease_deadline_unix_ms,
+        timing=timing,
     )  # fmt: skip
+
+
+def _first_tokens(token_id: int, logprob: float | None, top_logprobs) -> Tokens:
+    """The one-entry Tokens of a prefill's first token (top_logprobs: TopLogprob messages, maybe none)."""
+    tops = (tuple((t.token_id, t.logprob) for t in top_logprobs),) if top_logprobs else ()
+    return Tokens((token_id,), () if logprob is None else (logprob,), tops)
 
 
 def decode_request_to_proto(

@@ -1,9 +1,12 @@
 """The timing breakdown of one request (TimingSummary.phases), from what the router measured and
 what the workers reported (PrefillTiming, DecodeTiming). Pure: no clocks read here.
 
-    disaggregated:  router.route ─ rpc.prefill ─ prefill.queue ─ prefill.compute ─ handoff.publish
-                    ─ router.first_token ║ rpc.decode ─ decode.queue ─ kv.transfer ─ decode.first_step
-                    ─ decode.stream
+    disaggregated:  router.route ─ rpc.prefill ─ prefill.queue ─ prefill.compute ─ prefill.emit
+                    ─ router.first_token ║ handoff.publish ─ rpc.decode ─ decode.queue ─ kv.transfer
+                    ─ decode.first_step ─ decode.stream
+                    (PrefillStream: the first token leaves before the handoff is published; a unary
+                    Prefill reply, first_token_ms 0, has handoff.publish on the TTFT path instead
+                    of prefill.emit)
     aggregated:     router.route ─ rpc.decode ─ decode.queue ─ decode.prefill ─ decode.emit
                     ─ router.first_token ║ decode.stream
 
@@ -27,7 +30,7 @@ class RouterTimes:
     prefill_retry_ms: float
     """Failed prefill attempts before the one that answered."""
     prefill_call_ms: float
-    """The Prefill call that answered, send to reply."""
+    """The Prefill call that answered, send to its first token (the reply, for unary Prefill)."""
     decode_first_chunk_ms: float
     """The Decode call that served the request, send to its first message received."""
     relay_ms: float
@@ -42,11 +45,18 @@ def phases(
         out.append(TimingPhase("prefill.failed_attempts", times.prefill_retry_ms, True))
     d = decode or DecodeTiming()
     if prefill is not None:
+        streamed = prefill.first_token_ms > 0
+        worker_ms = prefill.first_token_ms if streamed else prefill.handler_ms
         out += [
-            TimingPhase("rpc.prefill", max(0.0, times.prefill_call_ms - prefill.handler_ms), True),
+            TimingPhase("rpc.prefill", max(0.0, times.prefill_call_ms - worker_ms), True),
             TimingPhase("prefill.queue", prefill.queue_ms, True),
             TimingPhase("prefill.compute", prefill.compute_ms, True),
-            TimingPhase("handoff.publish", prefill.publish_ms, True),
+        ]
+        if streamed:
+            emit_ms = max(0.0, prefill.first_token_ms - prefill.queue_ms - prefill.compute_ms)
+            out.append(TimingPhase("prefill.emit", emit_ms, True))
+        out += [
+            TimingPhase("handoff.publish", prefill.publish_ms, not streamed),
             TimingPhase("router.first_token", times.relay_ms, True),
         ]
         if decode is not None:

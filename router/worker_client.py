@@ -25,6 +25,7 @@ from splitserve.router.messages import (
     BlockSetSnapshot,
     DecodeOutput,
     GenerateRequest,
+    PrefillFirstToken,
     PrefillResult,
     WorkerCallError,
 )
@@ -32,6 +33,7 @@ from splitserve.router.service import (
     block_set_from_proto,
     decode_output_from_proto,
     decode_request_to_proto,
+    first_token_from_proto,
     prefill_request_to_proto,
     prefill_result_from_proto,
 )
@@ -61,6 +63,39 @@ class DecodeCall:
         self._call.cancel()
 
 
+class PrefillStreamCall:
+    """A running PrefillWorker.PrefillStream: iterate for a PrefillFirstToken, then the PrefillResult;
+    `cancel()` to end it (the worker then aborts the request)."""
+
+    def __init__(self, worker: WorkerEndpoint, call: grpc.aio.UnaryStreamCall) -> None:
+        self._worker = worker
+        self._call = call
+
+    async def __aiter__(self) -> AsyncIterator[PrefillFirstToken | PrefillResult]:
+        first: PrefillFirstToken | None = None
+        has_result = False
+        try:
+            async for message in self._call:
+                kind = message.WhichOneof("event")
+                if kind == "first_token" and first is None and not has_result:
+                    first = first_token_from_proto(message.first_token)
+                    yield first
+                elif kind == "response" and not has_result:
+                    has_result = True
+                    yield prefill_result_from_proto(message.response, first.first if first else None)
+        except grpc.aio.AioRpcError as e:
+            raise _error(self._worker, "PrefillStream", e) from e
+        except ValueError as e:
+            raise WorkerCallError(self._worker.worker_id, "PrefillStream", grpc.StatusCode.INTERNAL, str(e)) from e
+        if not has_result:
+            raise WorkerCallError(
+                self._worker.worker_id, "PrefillStream", grpc.StatusCode.INTERNAL, "stream ended without a response"
+            )
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class GrpcWorkerClient:
     """Calls workers over gRPC (one event loop)."""
 
@@ -72,20 +107,13 @@ class GrpcWorkerClient:
             self._channels[address] = grpc_security.aio_channel(address)
         return self._channels[address]
 
-    async def prefill(
+    def prefill_stream(
         self, worker: WorkerEndpoint, request: GenerateRequest, decode_worker_id: str, timeout_s: float
-    ) -> PrefillResult:
+    ) -> PrefillStreamCall:
+        """Starts PrefillStream now (with the current trace context); `timeout_s` bounds the whole stream."""
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(worker.address))
-        try:
-            reply = await stub.Prefill(
-                prefill_request_to_proto(request, decode_worker_id), timeout=timeout_s, metadata=inject_metadata()
-            )
-        except grpc.aio.AioRpcError as e:
-            raise _error(worker, "Prefill", e) from e
-        try:
-            return prefill_result_from_proto(reply)
-        except ValueError as e:
-            raise WorkerCallError(worker.worker_id, "Prefill", grpc.StatusCode.INTERNAL, str(e)) from e
+        message = prefill_request_to_proto(request, decode_worker_id)
+        return PrefillStreamCall(worker, stub.PrefillStream(message, timeout=timeout_s, metadata=inject_metadata()))
 
     def decode(
         self,

@@ -1,6 +1,6 @@
 """Same-host GPU transport over CUDA IPC: the destination maps the source's KV
-tensors into its own address space once, then copies plan ops with GPU
-gather/scatter kernels at device-memory speed.
+tensors into its own address space once, then copies each plan op with one Triton
+launch over all its layers and block runs (engine/transfer/gpu_copy.py).
 
 Why not NIXL here: NIXL's UCX backend moved VRAM→VRAM between two processes
 on one H200 at ~0.5 GB/s (TCP-loopback speed) even with `UCX_TLS` naming
@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
+from splitserve.engine.transfer.gpu_copy import copy_op_cuda
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
@@ -110,16 +111,7 @@ class CudaIpcTransport(KVTransport):
         for src_rank in needed_sources(plan, dst_rank, remote):
             src = self._open(remote[src_rank])
             for op in plan.ops_for_pair(src_rank, dst_rank):
-                sh = slice(op.src_head_start, op.src_head_start + op.num_heads)
-                dh = slice(op.dst_head_start, op.dst_head_start + op.num_heads)
-                for i in range(op.num_layers):
-                    s, d = src[op.src_layer_start + i], kv_tensors[op.dst_layer_start + i]
-                    # a run is a strided slice: torch's copy kernel, no gather. (One Triton launch
-                    # for all layers, kernels/pack.py, measured 2-3x slower here: RESULTS.md.)
-                    for run in op.block_runs:
-                        d[:, run.dst_block : run.dst_block + run.num_blocks, dh].copy_(
-                            s[:, run.src_block : run.src_block + run.num_blocks, sh], non_blocking=True
-                        )
+                copy_op_cuda(op, src, kv_tensors)  # one launch: every layer and block run of the op
                 num_bytes += plan.op_bytes(op)
                 num_ops += 1
         torch.cuda.synchronize(device)

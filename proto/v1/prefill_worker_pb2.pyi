@@ -32,19 +32,41 @@ class PrefillResponse(_message.Message):
     timing: PrefillTiming
     def __init__(self, handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
 
+class PrefillEvent(_message.Message):
+    __slots__ = ("first_token", "response")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    first_token: PrefillFirstToken
+    response: PrefillResponse
+    def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
+    finish_reason: _common_pb2.FinishReason
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+
 class PrefillTiming(_message.Message):
-    __slots__ = ("handler_ms", "queue_ms", "compute_ms", "publish_ms", "num_chunks")
+    __slots__ = ("handler_ms", "queue_ms", "compute_ms", "publish_ms", "num_chunks", "first_token_ms")
     HANDLER_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     PUBLISH_MS_FIELD_NUMBER: _ClassVar[int]
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_MS_FIELD_NUMBER: _ClassVar[int]
     handler_ms: float
     queue_ms: float
     compute_ms: float
     publish_ms: float
     num_chunks: int
-    def __init__(self, handler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., publish_ms: _Optional[float] = ..., num_chunks: _Optional[int] = ...) -> None: ...
+    first_token_ms: float
+    def __init__(self, handler_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., compute_ms: _Optional[float] = ..., publish_ms: _Optional[float] = ..., num_chunks: _Optional[int] = ..., first_token_ms: _Optional[float] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("request_id",)

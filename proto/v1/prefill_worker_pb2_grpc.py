@@ -40,6 +40,11 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/splitserve.v1.PrefillWorker/PrefillStream',
+                request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillEvent.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Release',
                 request_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.ReleaseRequest.SerializeToString,
@@ -74,6 +79,21 @@ class PrefillWorkerServicer:
         """Computes the prompt's KV (reusing cached prefix blocks), samples the
         first token, pins the blocks until Release, Abort or the lease deadline,
         and describes where the decode side can pull them from.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefillStream(self, request, context):
+        """Prefill, streamed so that the first token is not held back by the
+        handoff's publication: a `first_token` event as soon as the token is
+        sampled (before block checksums, descriptor and pins), then exactly one
+        `response`, the message Prefill returns. A first token that already ends
+        the request says so (finish_reason) and its response carries no handoff.
+        Same errors as Prefill, as status codes; a stream that ends after
+        `first_token` without a `response` leaves nothing pinned the caller can
+        use (the router goes on aggregated from prompt + first token). Cancelling
+        the call aborts the request, pinned or not.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -132,6 +152,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillResponse.SerializeToString,
             ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_prefill__worker__pb2.PrefillEvent.SerializeToString,
+            ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
                     request_deserializer=splitserve_dot_v1_dot_prefill__worker__pb2.ReleaseRequest.FromString,
@@ -185,6 +210,33 @@ class PrefillWorker:
             '/splitserve.v1.PrefillWorker/Prefill',
             splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
             splitserve_dot_v1_dot_prefill__worker__pb2.PrefillResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/PrefillStream',
+            splitserve_dot_v1_dot_prefill__worker__pb2.PrefillRequest.SerializeToString,
+            splitserve_dot_v1_dot_prefill__worker__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -69,6 +69,7 @@ def _strategy(path: str, request_type):
         "/splitserve.v1.Router/Generate": lambda r: router_pb2.GenerateRequest(
             request_id=r.request_id, token_ids=r.token_ids, sampling_params=sampling_params_to_proto(r.sampling_params)),
         "/splitserve.v1.PrefillWorker/Prefill": lambda r: prefill_request_to_proto(r, "fuzz-decode-worker"),
+        "/splitserve.v1.PrefillWorker/PrefillStream": lambda r: prefill_request_to_proto(r, "fuzz-decode-worker"),
         "/splitserve.v1.DecodeWorker/Decode": lambda r: decode_request_to_proto(r, None, None),
     }.get(path)  # fmt: skip
     if valid is None:

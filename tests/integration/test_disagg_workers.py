@@ -9,6 +9,7 @@ transports; two combinations per transport run in the default stage, the rest
 model is GQA: 4 query heads, 2 kv heads, 2 layers."""
 
 import importlib.util
+import time
 
 import grpc
 import pytest
@@ -17,6 +18,7 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine.wire import sampling_to_proto
 from splitserve.proto.v1 import (
+    common_pb2,
     decode_worker_pb2,
     decode_worker_pb2_grpc,
     prefill_worker_pb2,
@@ -149,3 +151,59 @@ def test_bad_requests_get_status_codes_not_tracebacks(model_dir):
                 stub.Prefill(prefill_worker_pb2.PrefillRequest(request_id="t", token_ids=[5], sampling_params=bad), timeout=30)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "temperature" in err.value.details()
             assert not stub.Release(prefill_worker_pb2.ReleaseRequest(request_id="never"), timeout=10).was_pinned
+
+
+@pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed")
+def test_prefill_stream_sends_the_first_token_then_the_unary_response(model_dir, expected, tmp_path, monkeypatch):
+    """PrefillStream: a first_token event, then a response whose handoff Decode uses like the unary
+    one's (same tokens as Prefill and as the aggregated engine); a first token that ends the request
+    says so; a stream cancelled after its first token leaves nothing pinned on the prefill worker."""
+    prompts = _prompts()[:2]
+    faults = tmp_path / "faults"  # engine/fault_injection.py: read at every check, absent = no delay
+    monkeypatch.setenv("SPLITSERVE_FAULT_DELAY_FILE", str(faults))
+    with (
+        running_worker("prefill-worker", model_dir, *ENGINE_FLAGS) as pw,
+        running_worker("decode-worker", model_dir, *ENGINE_FLAGS) as dw,
+    ):
+        unary, _ = disagg_generate(pw.address, dw.address, prompts, PARAMS)
+        with grpc.insecure_channel(pw.address) as pc, grpc.insecure_channel(dw.address) as dc:
+            prefill = prefill_worker_pb2_grpc.PrefillWorkerStub(pc)
+            decode = decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+            sp = sampling_to_proto(PARAMS)
+            for i, (prompt, (tokens, _, _), ref) in enumerate(zip(prompts, unary, expected, strict=False)):
+                rid = f"s{i}"
+                request = prefill_worker_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling_params=sp)
+                events = list(prefill.PrefillStream(request, timeout=60))
+                assert [e.WhichOneof("event") for e in events] == ["first_token", "response"]
+                first, response = events[0].first_token, events[1].response
+                assert first.token_id == ref.generated_tokens[0] == response.handoff.first_token_id
+                assert first.logprob == pytest.approx(ref.generated_log_probs[0], abs=1e-5)
+                assert first.finish_reason == common_pb2.FINISH_REASON_UNSPECIFIED
+                timing = response.timing
+                assert 0 < timing.first_token_ms <= timing.handler_ms and timing.publish_ms >= 0
+                chunks = list(decode.Decode(decode_worker_pb2.DecodeRequest(
+                    request_id=rid, token_ids=prompt, sampling_params=sp, handoff=response.handoff,
+                    prefill_address=pw.address), timeout=60))  # fmt: skip
+                assert [t for c in chunks for t in c.token_ids] == tokens == ref.generated_tokens
+
+            one = sampling_to_proto(SamplingParams(num_tokens_to_generate=1, temperature=0.0))
+            request = prefill_worker_pb2.PrefillRequest(request_id="one", token_ids=prompts[0], sampling_params=one)
+            first, last = list(prefill.PrefillStream(request, timeout=60))
+            assert first.first_token.token_id == expected[0].generated_tokens[0]
+            assert first.first_token.finish_reason == last.response.finish_reason == common_pb2.FINISH_REASON_LENGTH
+            assert not last.response.HasField("handoff")
+
+            faults.write_text("prefill=20000")  # pinned, response held back: the cancel comes first
+            request = prefill_worker_pb2.PrefillRequest(request_id="gone", token_ids=prompts[1], sampling_params=sp)
+            stream = prefill.PrefillStream(request, timeout=60)
+            assert next(stream).WhichOneof("event") == "first_token"
+            deadline = time.monotonic() + 10
+            while "holds request gone in phase prefill" not in pw.output():
+                assert time.monotonic() < deadline, pw.output()
+                time.sleep(0.05)
+            stream.cancel()
+            deadline = time.monotonic() + 5  # well before the hold would have ended
+            while (report := prefill.CheckIntegrity(common_pb2.IntegrityRequest(), timeout=10)).num_pinned_blocks:
+                assert time.monotonic() < deadline, report
+                time.sleep(0.05)
+            assert report.is_ok and report.num_requests == 0 and report.num_handoffs == 0, report

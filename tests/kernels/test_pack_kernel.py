@@ -61,3 +61,24 @@ def test_copy_head_blocks_layers_is_one_launch_of_the_per_layer_copies(dtype, de
     assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True))
     with pytest.raises(ValueError, match="first one's"):
         copy_head_blocks_layers([srcs[0], srcs[1][:, :5]], dsts[:2], src_ids, dst_ids, 2, 0, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_copy_head_block_runs_equals_the_block_by_block_copy(dtype, device):
+    """Runs of different lengths (longer than a program's rows, and of one block) in one launch."""
+    from splitserve.kernels.pack import copy_head_block_runs
+
+    g = torch.Generator().manual_seed(3)
+    srcs = [torch.randn(2, 20, 4, 4, 8, generator=g).to(dtype).to(device) for _ in range(2)]
+    dsts = [torch.randn(2, 16, 4, 4, 8, generator=g).to(dtype).to(device) for _ in range(2)]
+    runs = [(2, 0, 7), (15, 9, 1), (10, 12, 3)]  # (src_block, dst_block, num_blocks)
+    src_ids = torch.tensor([s + j for s, _, n in runs for j in range(n)], device=device)
+    dst_ids = torch.tensor([d + j for _, d, n in runs for j in range(n)], device=device)
+    expected = [d.clone() for d in dsts]
+    for s, e in zip(srcs, expected, strict=True):
+        copy_head_blocks_reference(s, e, src_ids, dst_ids, 1, 0, 3)
+    table = torch.tensor(runs, dtype=torch.int32, device=device)
+    copy_head_block_runs(srcs, dsts, table, 7, 1, 0, 3)
+    assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True))
+    with pytest.raises(ValueError, match="int32"):
+        copy_head_block_runs(srcs, dsts, table.long(), 7, 1, 0, 3)

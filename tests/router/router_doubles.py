@@ -4,7 +4,10 @@ They speak the real protos over real gRPC servers on 127.0.0.1 and follow
 the contract written in decode_worker.proto, without an engine:
 
 * Prefill answers a handoff whose first token is `first_token_of(prompt)`;
-  its num_cached_tokens and block set are whatever the test sets.
+  its num_cached_tokens and block set are whatever the test sets. PrefillStream
+  sends that token first (with FINISH_REASON_LENGTH when it is the only one to
+  generate), then the same response; `hold_result` holds the response back and
+  `fail_after_first` fails the stream between the two (the first token is out).
 * Decode with a handoff echoes the handoff's first token as the first
   token of its first chunk, then continues `token + 1, token + 2, ...`;
   without a handoff it "prefills" itself and starts at
@@ -48,6 +51,10 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         self.aborted: list[str] = []
         self.fail_with: list[grpc.StatusCode] = []
         self.hold: asyncio.Event | None = None
+        self.hold_result: asyncio.Event | None = None
+        """PrefillStream: wait for it between the first token and the response."""
+        self.fail_after_first: list[grpc.StatusCode] = []
+        """PrefillStream: fail with these after the first token, instead of sending the response."""
         self.num_cached_tokens = 0
         self.lease_s = 30.0
         self.block_set = prefill_worker_pb2.BlockSet()
@@ -61,6 +68,27 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             await context.abort(self.fail_with.pop(0), f"injected failure on {self.worker_id}")
         if self.hold is not None:
             await self.hold.wait()
+        return self._response(request)
+
+    async def PrefillStream(self, request, context):
+        self.requests.append(request)
+        if self.fail_with:
+            await context.abort(self.fail_with.pop(0), f"injected failure on {self.worker_id}")
+        if self.hold is not None:
+            await self.hold.wait()
+        response = self._response(request)
+        handoff = response.handoff
+        first = prefill_worker_pb2.PrefillFirstToken(token_id=handoff.first_token_id, finish_reason=response.finish_reason)
+        if handoff.HasField("first_token_logprob"):
+            first.logprob = handoff.first_token_logprob
+        yield prefill_worker_pb2.PrefillEvent(first_token=first)
+        if self.hold_result is not None:
+            await self.hold_result.wait()
+        if self.fail_after_first:
+            await context.abort(self.fail_after_first.pop(0), f"injected failure after the first token on {self.worker_id}")
+        yield prefill_worker_pb2.PrefillEvent(response=response)
+
+    def _response(self, request) -> prefill_worker_pb2.PrefillResponse:
         params = request.sampling_params
         handoff = handoff_pb2.HandoffDescriptor(
             request_id=request.request_id, first_token_id=first_token_of(request.token_ids),

@@ -1,0 +1,100 @@
+"""The router over PrefillStream (router/prefill_call.py), against the protocol-level doubles:
+the first token reaches the client before the prefill worker has published its handoff, and
+a stream that breaks between the two goes on from prompt + first token, never repeating it."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from splitserve.router.messages import DecodeTiming, PrefillTiming
+from splitserve.router.timing import RouterTimes, phases
+from tests.router.router_doubles import DecodeDouble, PrefillDouble, first_token_of, serving
+from tests.router.test_router_orchestrator import (
+    PROMPT,
+    collect,
+    collect_rest,
+    eventually,
+    request,
+    router,
+    tokens_of,
+)
+
+
+async def test_first_token_reaches_the_client_before_the_prefill_result():
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    p0.hold_result = asyncio.Event()  # the handoff is "being published" until the test has the token
+    async with serving(p0, d0) as endpoints, router(endpoints) as (_, stub):
+        call = stub.Generate(request("r1"))
+        first = await asyncio.wait_for(call.read(), 5)
+        assert list(first.token_ids) == [first_token_of(PROMPT)] and list(first.logprobs) == [-0.5]
+        assert d0.requests == [] and not p0.hold_result.is_set()  # no result yet, so no Decode either
+        p0.hold_result.set()
+        rest = await collect_rest(call)
+    f = first_token_of(PROMPT)
+    assert tokens_of([first, *rest]) == [f + i for i in range(5)]  # the decode's echo of it is dropped
+    (decode_request,) = d0.requests
+    assert decode_request.handoff.first_token_id == f and p0.aborted == []
+    assert rest[-1].routing.num_prefill_attempts == 1 and rest[-1].usage.completion_tokens == 5
+
+
+async def test_failure_after_the_first_token_goes_on_from_prompt_plus_first_token():
+    p0, p1, d0 = PrefillDouble("p0"), PrefillDouble("p1"), DecodeDouble("d0")
+    for double in (p0, p1):  # whichever gets the request fails once its token is out
+        double.fail_after_first = [grpc.StatusCode.UNAVAILABLE]
+    async with serving(p0, p1, d0) as endpoints, router(endpoints) as (_, stub):
+        chunks = await collect(stub, request("r1"))
+        prefill = p0 if p0.requests else p1
+        await eventually(lambda: prefill.aborted == ["r1"])  # its request (maybe pinned) is dropped
+    assert len(p0.requests) + len(p1.requests) == 1  # not retried: the token is out
+    first = first_token_of(PROMPT)
+    (decode_request,) = d0.requests
+    assert not decode_request.HasField("handoff")
+    assert list(decode_request.token_ids) == PROMPT + [first]
+    assert decode_request.sampling_params.num_tokens_to_generate == 4
+    second = first_token_of(PROMPT + [first])
+    assert tokens_of(chunks) == [first, second, second + 1, second + 2, second + 3]  # the first token once
+    last = chunks[-1]
+    assert last.usage.completion_tokens == 5 and last.routing.num_prefill_attempts == 1
+    assert "failed after its first token (UNAVAILABLE)" in last.routing.reason
+
+
+async def test_request_error_after_the_first_token_still_fails_the_request():
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    p0.fail_after_first = [grpc.StatusCode.INVALID_ARGUMENT]
+    async with serving(p0, d0) as endpoints, router(endpoints) as (_, stub):
+        call = stub.Generate(request("r1"))
+        first = await call.read()
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            await collect_rest(call)
+    assert list(first.token_ids) == [first_token_of(PROMPT)]
+    assert error.value.code() == grpc.StatusCode.INVALID_ARGUMENT and d0.requests == []
+
+
+async def test_failure_before_the_first_token_is_still_retried_elsewhere():
+    p0, p1, d0 = PrefillDouble("p0"), PrefillDouble("p1"), DecodeDouble("d0")
+    p0.fail_with, p1.fail_with = [grpc.StatusCode.UNAVAILABLE], []
+    async with serving(p0, p1, d0) as endpoints, router(endpoints) as (_, stub):
+        chunks = await collect(stub, request("r1"))
+    first = first_token_of(PROMPT)
+    assert tokens_of(chunks) == [first + i for i in range(5)]
+    assert chunks[-1].routing.num_prefill_attempts == (2 if p0.requests else 1) and d0.requests[0].HasField(
+        "handoff"
+    )
+
+
+def test_streamed_prefill_timing_takes_the_publication_off_the_ttft_path():
+    times = RouterTimes(
+        route_ms=1, prefill_retry_ms=0, prefill_call_ms=45, decode_first_chunk_ms=9, relay_ms=0.5
+    )
+    streamed = PrefillTiming(
+        handler_ms=50, queue_ms=2, compute_ms=40, publish_ms=6, num_chunks=3, first_token_ms=42.5
+    )
+    out = phases(times, streamed, DecodeTiming(queue_ms=1, transfer_ms=3, first_chunk_ms=5, stream_ms=30))
+    ttft = {p.name: p.ms for p in out if p.is_ttft}
+    assert ttft == {"router.route": 1, "rpc.prefill": 2.5, "prefill.queue": 2, "prefill.compute": 40,
+                    "prefill.emit": 0.5, "router.first_token": 0.5}  # fmt: skip
+    assert sum(ttft.values()) == pytest.approx(1 + 45 + 0.5)  # route + call to the first token + relay
+    assert "handoff.publish" in {p.name for p in out if not p.is_ttft}
