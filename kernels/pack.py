@@ -3,7 +3,7 @@ the device side of a handoff (a mapped peer pool into the own pool) and the loca
 reshard (packing a staging buffer, or cutting a pool's heads out of one).
 
     src [2, Ps, Hs, BS, D] per layer   dst [2, Pd, Hd, BS, D] per layer
-    runs int32 [R, 3]: (src_block, dst_block, num_blocks)
+    runs int32 [R, 3]: (src_block, dst_block, num_blocks), or one run as three scalars
 
     for each run, j < num_blocks, kv in {K, V}, every layer:
         dst[kv, dst_block + j, dh0 : dh0 + nh] = src[kv, src_block + j, sh0 : sh0 + nh]
@@ -14,9 +14,12 @@ copies a [ROWS, row] tile — ROWS consecutive blocks of one run — in CHUNK-wi
 
 Why runs and not one id per block: a prompt's blocks mostly come in long runs, and a run table
 of a few rows is what the host builds and copies per handoff (a list of 512 ids cost ~40-100 µs
-of host time at 8k tokens on the H200, against ~140 µs for the copy itself). Why ROWS x CHUNK
-tiles with 8 warps: on the H200 this reached 86-92% of a same-size device memcpy at 8k-32k tokens
-in GPU time, against ~80% for one 16 KiB row per program (benchmarks/RESULTS.md).
+of host time at 8k tokens on the H200, against ~140 µs for the copy itself); one run goes as three
+scalars, with no table at all. Why 8 x 2048 tiles with 16 warps: best of eight configurations on the
+H200, 88-93% of a same-size device memcpy in GPU time at 8k tokens and 95-96% at 32k
+(benchmarks/RESULTS.md). Host time is the rest of a handoff's cost, so the per-pool work (checks,
+layer offsets, specialisation keys) is cached in `_pair` and the launch skips Triton's per-call
+binding (`_launch.FastLaunch`).
 """
 
 from __future__ import annotations
@@ -26,12 +29,14 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, layer_offsets, next_power_of_2
+from ._launch import FastLaunch, arg_key
 from .pack_reference import copy_head_blocks_reference
 
 __all__ = ["copy_head_block_runs", "copy_head_blocks", "copy_head_blocks_layers", "copy_head_blocks_reference"]
 
-_MAX_CHUNK = 1024
-_MAX_ROWS = 4
+_MAX_CHUNK = 2048
+_MAX_ROWS = 8
+_NUM_WARPS = 16
 
 
 @triton.jit
@@ -40,25 +45,35 @@ def _copy_runs_kernel(
     dst_ptr,
     src_layer_offsets_ptr,
     dst_layer_offsets_ptr,
-    runs_ptr,
     stride_src_kv,
     stride_src_blk,
     stride_dst_kv,
     stride_dst_blk,
     src_head_offset,
     dst_head_offset,
+    runs_ptr,
+    one_src,
+    one_dst,
+    one_len,
     ROW: tl.constexpr,
     ROWS: tl.constexpr,
     CHUNK: tl.constexpr,
+    ONE_RUN: tl.constexpr,
 ):
     """Axis 2 is layer * 2 + kv; a layer's tensors sit at an element offset from the first
-    layer's (same shapes and strides), so one launch serves every layer."""
+    layer's (same shapes and strides), so one launch serves every layer. ONE_RUN: the single
+    run comes as the scalars one_* and `runs_ptr` is not read."""
     run = tl.program_id(0).to(tl.int64)
     layer = tl.program_id(2).to(tl.int64) // 2
     kv = tl.program_id(2).to(tl.int64) % 2
-    s0 = tl.load(runs_ptr + run * 3).to(tl.int64)
-    d0 = tl.load(runs_ptr + run * 3 + 1).to(tl.int64)
-    length = tl.load(runs_ptr + run * 3 + 2)
+    if ONE_RUN:
+        s0 = one_src.to(tl.int64)
+        d0 = one_dst.to(tl.int64)
+        length = one_len
+    else:
+        s0 = tl.load(runs_ptr + run * 3).to(tl.int64)
+        d0 = tl.load(runs_ptr + run * 3 + 1).to(tl.int64)
+        length = tl.load(runs_ptr + run * 3 + 2)
     j = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     rows = j < length
     # multiples of 16 elements (checked on the host): keeps the loads vectorised
@@ -71,6 +86,9 @@ def _copy_runs_kernel(
         mask = rows[:, None] & (cols < ROW)[None, :]
         x = tl.load(src_ptr + src_row[:, None] + cols[None, :], mask=mask)
         tl.store(dst_ptr + dst_row[:, None] + cols[None, :], x, mask=mask)
+
+
+_launch_copy_runs = FastLaunch(_copy_runs_kernel)
 
 
 def _check(name: str, t: torch.Tensor) -> None:
@@ -96,28 +114,62 @@ def _check_layers(srcs, dsts, src_head_start: int, dst_head_start: int, num_head
                          f"[{dst_head_start}, +{num_heads}) of {dst.shape[2]} out of range")
 
 
+_PAIRS: dict[tuple, tuple] = {}
+_MAX_PAIRS = 64
+
+
+def _pair(srcs, dsts, src_head_start: int, dst_head_start: int, num_heads: int) -> tuple:
+    """The launch arguments that depend on the two pools and the head range only — checked and
+    built once per (source pool, destination pool, heads): a handoff pulls from the same mapped
+    peer pool into the same own pool again and again, and the checks, layer offsets and
+    specialisation keys cost ~15 µs of a ~140 µs 8k-token copy on the H200 host."""
+    key = (tuple(t.data_ptr() for t in srcs), tuple(t.data_ptr() for t in dsts), srcs[0].shape, dsts[0].shape,
+           srcs[0].stride(), dsts[0].stride(), src_head_start, dst_head_start, num_heads)
+    pair = _PAIRS.get(key)
+    if pair is None:
+        _check_layers(srcs, dsts, src_head_start, dst_head_start, num_heads)
+        first_src, first_dst = srcs[0], dsts[0]
+        device = first_dst.device
+        head = first_src.shape[3] * first_src.shape[4]
+        src_offsets, dst_offsets = layer_offsets(srcs, device), layer_offsets(dsts, device)
+        scalars = (first_src.stride(0), first_src.stride(1), first_dst.stride(0), first_dst.stride(1),
+                   src_head_start * head, dst_head_start * head)
+        static_key = (device.index, *map(arg_key, (first_src, first_dst, src_offsets, dst_offsets) + scalars))
+        if len(_PAIRS) >= _MAX_PAIRS:
+            _PAIRS.clear()
+        # no pool tensor is kept (a peer's mapped pool must be free to go): the key has their addresses
+        pair = _PAIRS[key] = (src_offsets, dst_offsets, scalars, static_key, num_heads * head)
+    return pair
+
+
 def copy_head_block_runs(
-    srcs, dsts, runs: torch.Tensor, max_run: int, src_head_start: int, dst_head_start: int, num_heads: int,
+    srcs, dsts, runs, max_run: int, src_head_start: int, dst_head_start: int, num_heads: int,
 ) -> None:
-    """Copy the head range of every block run of `runs` (int32 [R, 3] on the devices: src_block,
-    dst_block, num_blocks; `max_run` >= the longest) for every (src, dst) layer pair, in one
-    launch. All `srcs` share one shape / strides / dtype, all `dsts` another (a KV pool's layers
-    do). Block ids are not range-checked on the device: the transfer plan guarantees them."""
-    _check_layers(srcs, dsts, src_head_start, dst_head_start, num_heads)
-    if runs.dim() != 2 or runs.shape[1] != 3 or runs.dtype != torch.int32:
-        raise ValueError(f"runs must be int32 [R, 3], got {runs.dtype} {tuple(runs.shape)}")
-    if runs.shape[0] == 0 or max_run <= 0:
+    """Copy the head range of every block run of `runs` for every (src, dst) layer pair, in one
+    launch. `runs` is an int32 [R, 3] tensor on the devices (src_block, dst_block, num_blocks;
+    `max_run` >= the longest), or one such run as a tuple of ints — passed to the kernel as
+    scalars, with no host-to-device copy (~13 µs of a ~140 µs 8k-token handoff on the H200).
+    All `srcs` share one shape / strides / dtype, all `dsts` another (a KV pool's layers do).
+    Block ids are not range-checked on the device: the transfer plan guarantees them."""
+    if len(srcs) != len(dsts) or not srcs:
+        raise ValueError(f"{len(srcs)} source and {len(dsts)} destination layers")
+    src_offsets, dst_offsets, scalars, static_key, row = _pair(srcs, dsts, src_head_start, dst_head_start, num_heads)
+    if isinstance(runs, tuple):
+        if len(runs) != 3 or not all(isinstance(x, int) and x >= 0 for x in runs):
+            raise ValueError(f"one run must be (src_block, dst_block, num_blocks) ints >= 0, got {runs!r}")
+        one, num_runs, max_run, table = runs, 1, runs[2], src_offsets  # the table is not read
+    else:
+        if runs.dim() != 2 or runs.shape[1] != 3 or runs.dtype != torch.int32:
+            raise ValueError(f"runs must be int32 [R, 3], got {runs.dtype} {tuple(runs.shape)}")
+        one, num_runs, table = (0, 0, 0), runs.shape[0], runs
+    if num_runs == 0 or max_run <= 0:
         return
-    first_src, first_dst = srcs[0], dsts[0]
-    device = first_dst.device
-    head = first_src.shape[3] * first_src.shape[4]
-    row = num_heads * head
     rows = min(next_power_of_2(max_run), _MAX_ROWS)
-    _copy_runs_kernel[(runs.shape[0], cdiv(max_run, rows), 2 * len(srcs))](
-        first_src, first_dst, layer_offsets(srcs, device), layer_offsets(dsts, device), runs,
-        first_src.stride(0), first_src.stride(1), first_dst.stride(0), first_dst.stride(1),
-        src_head_start * head, dst_head_start * head,
-        ROW=row, ROWS=rows, CHUNK=min(next_power_of_2(row), _MAX_CHUNK), num_warps=8,
+    _launch_copy_runs(
+        (num_runs, cdiv(max_run, rows), 2 * len(srcs)),
+        (srcs[0], dsts[0], src_offsets, dst_offsets, *scalars, table, *one),
+        {"ROW": row, "ROWS": rows, "CHUNK": min(next_power_of_2(row), _MAX_CHUNK), "ONE_RUN": isinstance(runs, tuple)},
+        _NUM_WARPS, static_key=static_key, num_static=4 + len(scalars),
     )
 
 

@@ -4,9 +4,10 @@ block run of the op (kernels/pack.py), with the runs as a small int32 table copi
 pinned memory.
 
 Measured on the H200 (benchmarks/RESULTS.md, 2026-12-01), 8k tokens of Llama-3.2-1B KV
-(268 MB), against a same-size device memcpy of ~136 µs: the kernel itself runs at 86-92% of
-the memcpy; the host work before it starts (run table ~13 µs, checks ~10 µs, the Triton launch
-~20 µs) is what remains. Rejected: one torch slice copy per (layer, run) (~20 µs of Python
+(268 MB), against a same-size device memcpy of ~130 µs: the kernel itself runs at 88-93% of
+the memcpy; the host work before it starts (~25-35 µs once the run table, per-pool checks and
+Triton's argument binding were cut) is what remains: a whole pull is 81% of a memcpy at 8k
+tokens, 88% at 32k. Rejected: one torch slice copy per (layer, run) (~20 µs of Python
 each: 34%), and one `cudaMemcpyAsync` / `cudaMemcpy2DAsync` per (layer, K/V, run) through the
 CUDA runtime (slower than the kernel on IPC-mapped memory, and 2-D copies of head-range rows
 ran at a quarter of the memcpy).
@@ -42,7 +43,9 @@ def copy_op_cuda(op: TransferOp, src: Sequence[torch.Tensor], dst: Sequence[torc
         return
     srcs = src[op.src_layer_start : op.src_layer_start + op.num_layers]
     dsts = dst[op.dst_layer_start : op.dst_layer_start + op.num_layers]
-    longest = max(run.num_blocks for run in op.block_runs)
-    copy_head_block_runs(
-        srcs, dsts, runs_table(op, dst[0].device), longest, op.src_head_start, op.dst_head_start, op.num_heads
-    )
+    if len(op.block_runs) == 1:  # the common case (a fresh prompt's blocks): scalars, no table
+        run = op.block_runs[0]
+        runs, longest = (run.src_block, run.dst_block, run.num_blocks), run.num_blocks
+    else:
+        runs, longest = runs_table(op, dst[0].device), max(run.num_blocks for run in op.block_runs)
+    copy_head_block_runs(srcs, dsts, runs, longest, op.src_head_start, op.dst_head_start, op.num_heads)

@@ -120,10 +120,17 @@ def staged_pull(
     prepared = [chunk_regions(c, src, src_pool) for c in plan]
     num_bytes = sum(op.num_layers * 2 * op.num_blocks * op.num_heads * src.head_block_bytes for op in ops)
     num_regions = sum(len(r) for r, _ in prepared)
+    # On a GPU the cut is asynchronous: a buffer is read into again only once the stream has
+    # finished the cut that read it, and the pull returns with the data in place.
+    stream = torch.cuda.current_stream(kv_tensors[0].device) if kv_tensors[0].is_cuda else None
     handle = post(*prepared[0], bufs[0])
     for k, chunk in enumerate(plan):
         wait(handle)
         if k + 1 < len(plan):
+            if stream is not None and k >= 1:
+                stream.synchronize()  # the cut of chunk k - 1 read bufs[(k + 1) % 2]
             handle = post(*prepared[k + 1], bufs[(k + 1) % 2])
         unpack(chunk, bufs[k % 2], prepared[k][1], src, kv_tensors)
+    if stream is not None:
+        stream.synchronize()
     return num_bytes, num_regions

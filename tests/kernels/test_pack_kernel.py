@@ -82,3 +82,23 @@ def test_copy_head_block_runs_equals_the_block_by_block_copy(dtype, device):
     assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True))
     with pytest.raises(ValueError, match="int32"):
         copy_head_block_runs(srcs, dsts, table.long(), 7, 1, 0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_one_run_as_scalars_equals_the_table_form(dtype, device):
+    """One run passed as a tuple (kernel scalars, no device table) writes what the table form does,
+    and nothing outside the run."""
+    from splitserve.kernels.pack import copy_head_block_runs
+
+    g = torch.Generator().manual_seed(5)
+    srcs = [torch.randn(2, 20, 4, 4, 8, generator=g).to(dtype).to(device) for _ in range(3)]
+    dsts = [torch.randn(2, 16, 2, 4, 8, generator=g).to(dtype).to(device) for _ in range(3)]
+    by_table = [d.clone() for d in dsts]
+    copy_head_block_runs(srcs, by_table, torch.tensor([[3, 5, 9]], dtype=torch.int32, device=device), 9, 2, 0, 2)
+    before = [d.clone() for d in dsts]
+    copy_head_block_runs(srcs, dsts, (3, 5, 9), 9, 2, 0, 2)
+    assert all(torch.equal(d, e) for d, e in zip(dsts, by_table, strict=True))
+    assert not torch.equal(dsts[0], before[0])
+    assert all(torch.equal(d[:, :5], b[:, :5]) and torch.equal(d[:, 14:], b[:, 14:]) for d, b in zip(dsts, before, strict=True))
+    with pytest.raises(ValueError, match="one run"):
+        copy_head_block_runs(srcs, dsts, (3, 5), 9, 2, 0, 2)
