@@ -102,3 +102,20 @@ def test_one_run_as_scalars_equals_the_table_form(dtype, device):
     assert all(torch.equal(d[:, :5], b[:, :5]) and torch.equal(d[:, 14:], b[:, 14:]) for d, b in zip(dsts, before, strict=True))
     with pytest.raises(ValueError, match="one run"):
         copy_head_block_runs(srcs, dsts, (3, 5), 9, 2, 0, 2)
+
+
+def test_repeated_launches_on_one_pool_pair_stay_exact(device):
+    """The second and later launches on one (source, destination) pool pair take the cached launch
+    state (and on CUDA the cached compiled kernel): each still copies exactly its own runs."""
+    from splitserve.kernels.pack import copy_head_block_runs
+
+    g = torch.Generator().manual_seed(9)
+    srcs = [torch.randn(2, 24, 4, 4, 8, generator=g).to(device) for _ in range(2)]
+    dsts = [torch.zeros(2, 24, 4, 4, 8, device=device) for _ in range(2)]
+    expected = [d.clone() for d in dsts]
+    for run in [(0, 1, 5), (7, 12, 2), (20, 0, 1), (3, 16, 8)]:
+        copy_head_block_runs(srcs, dsts, run, run[2], 0, 0, 4)
+        ids = torch.arange(run[2], device=device)
+        for s, e in zip(srcs, expected, strict=True):
+            copy_head_blocks_reference(s, e, ids + run[0], ids + run[1], 0, 0, 4)
+        assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True)), run
