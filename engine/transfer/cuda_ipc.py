@@ -20,6 +20,7 @@ pool lives as long as the worker).
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 
@@ -27,6 +28,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from splitserve.engine.transfer.gpu_copy import copy_op_cuda
+from splitserve.engine.transfer.graph_copy import copy_op_graph
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
@@ -77,8 +79,10 @@ def decode_ipc_handle(h: dict) -> tuple:
 class CudaIpcTransport(KVTransport):
     kind = "cuda_ipc"
 
-    def __init__(self) -> None:
+    def __init__(self, graphs: bool | None = None) -> None:
         self._mapped: dict[bytes, list[torch.Tensor]] = {}
+        # graph-replayed copies (engine/transfer/graph_copy.py); SPLITSERVE_GRAPH_COPY=0 turns them off
+        self._graphs = os.environ.get("SPLITSERVE_GRAPH_COPY", "1") != "0" if graphs is None else graphs
 
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_cuda and t.is_contiguous() for t in kv_tensors):
@@ -110,7 +114,9 @@ class CudaIpcTransport(KVTransport):
         for src_rank in needed_sources(plan, dst_rank, remote):
             src = self._open(remote[src_rank])
             for op in plan.ops_for_pair(src_rank, dst_rank):
-                copy_op_cuda(op, src, kv_tensors)  # one launch: every layer and block run of the op
+                # one launch for every layer and block run of the op; replayed from a graph when it can
+                if not (self._graphs and copy_op_graph(op, src, kv_tensors)):
+                    copy_op_cuda(op, src, kv_tensors)
                 num_bytes += plan.op_bytes(op)
                 num_ops += 1
         torch.cuda.current_stream(device).synchronize()  # the copies ran on it; no device-wide sync

@@ -48,3 +48,22 @@ def test_copy_op_cuda_matches_the_reference(case):
     gpu_copy.copy_op_cuda(op, src, dst)
     torch.cuda.synchronize()
     assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True))
+
+
+def test_graph_replayed_copies_match_the_reference_run_after_run():
+    """Single-run ops between two fixed pools go through captured graphs (engine/transfer/graph_copy.py):
+    runs of different lengths in one bucket and across buckets, whole heads and a head range, each
+    exact and touching nothing else; an op with several runs is left to the caller."""
+    from splitserve.engine.transfer import graph_copy
+
+    g = torch.Generator().manual_seed(1)
+    src = [torch.randn(2, 40, 4, 16, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(4)]
+    dst = [torch.randn(2, 30, 2, 16, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
+    for run, heads in [((3, 0, 12), (2, 2)), ((1, 5, 9), (2, 2)), ((20, 1, 16), (0, 2)), ((39, 29, 1), (2, 2)),
+                       ((0, 2, 3), (2, 2))]:
+        op = _op([run], src_heads=heads)
+        expected = _expected(op, src, dst)
+        assert graph_copy.copy_op_graph(op, src, dst)
+        torch.cuda.synchronize()
+        assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True)), (run, heads)
+    assert not graph_copy.copy_op_graph(_op([(3, 0, 2), (20, 15, 5)], src_heads=(2, 2)), src, dst)
