@@ -122,20 +122,26 @@ def main() -> None:
                             resp = event.response
                     t = resp.timing
                     phases.append((t.queue_ms, t.compute_ms, t.first_token_ms, t.publish_ms, t.handler_ms))
-                    ready = None
+                    ready, sent = None, time.perf_counter() - t0
                     for chunk in decode.Decode(decode_worker_pb2.DecodeRequest(
                             request_id=rid, token_ids=ids, sampling_params=sp, handoff=resp.handoff,
                             prefill_address=prefill_addr), timeout=120):
                         if ready is None and chunk.token_ids:
                             ready = time.perf_counter() - t0
+                        if chunk.HasField("timing"):
+                            dt = chunk.timing
+                            decode_phases.append((sent * 1e3, dt.queue_ms, dt.transfer_ms, dt.transfer_seconds * 1e3,
+                                                  dt.first_step_ms, dt.first_chunk_ms))
                     return ttft, ready
 
                 phases: list[tuple[float, ...]] = []
+                decode_phases: list[tuple[float, ...]] = []
                 for i in range(2):  # warm-up: kernels compile, graphs capture, IPC handles open
                     aggregated(f"warm-a{i}")
                     disaggregated(f"warm-d{i}")
                 agg, dis, ready = [], [], []
                 phases.clear()
+                decode_phases.clear()
                 for i in range(args.reps):  # interleaved: drift hits both alike
                     agg.append(aggregated(f"a{i}"))
                     t, r = disaggregated(f"d{i}")
@@ -156,6 +162,10 @@ def main() -> None:
     q, c, f, pub, h = (statistics.median(x) for x in zip(*phases, strict=True))
     print(f"prefill worker's own timing (medians, ms): queue {q:.2f}  compute {c:.2f}  first token sent {f:.2f}  "
           f"publish {pub:.2f} (off the TTFT path)  handler {h:.2f}  -> outside the worker (gRPC, client) {d - f:.2f}")
+    sent, dq, dx, pull, step, chunk = (statistics.median(x) for x in zip(*decode_phases, strict=True))
+    print(f"decode side (medians, ms): Decode called at {sent:.2f} after the request start; on the worker: queue "
+          f"{dq:.2f}  import {dx:.2f} (of which the pull {pull:.2f})  import to first token {step:.2f}  first chunk "
+          f"sent at {chunk:.2f}")
     print("all aggregated ms:", " ".join(f"{x * 1e3:.1f}" for x in agg))
     print("all disagg ms:    ", " ".join(f"{x * 1e3:.1f}" for x in dis))
 

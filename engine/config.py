@@ -160,9 +160,10 @@ class EngineConfig:
     """Replay captured CUDA graphs for decode-only steps (triton backend, CUDA, pp=1)."""
     cuda_graph_max_batch: int = 256
     """Largest decode batch served by a graph; bigger batches run eagerly."""
-    cuda_graph_max_context: int = 8192
-    """Longest context a graphed decode step serves; longer ones run eagerly. The
-    graphs' block tables (and the decode kernel's partitions) are sized by it."""
+    cuda_graph_max_context: int = 131072
+    """Longest context a graphed decode step serves (capped by the model's and the
+    scheduler's maximum); longer ones run eagerly. Graphs come per context bucket
+    (8k tokens, ×4, …, this; engine/cuda_graphs.py), each sized for its contexts."""
     async_scheduling: bool | None = None
     """Schedule decode step N+1 while step N runs on the device (greedy decode-only
     steps; see engine/step_pipeline.py). None: on when CUDA graphs are in use."""
