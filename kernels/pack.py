@@ -32,7 +32,7 @@ from ._common import cdiv, layer_offsets, next_power_of_2
 from ._launch import FastLaunch, arg_key
 from .pack_reference import copy_head_blocks_reference
 
-__all__ = ["copy_head_block_runs", "copy_head_blocks", "copy_head_blocks_layers", "copy_head_blocks_reference"]
+__all__ = ["copy_head_block_runs", "copy_head_blocks_reference"]
 
 _MAX_CHUNK = 2048
 _MAX_ROWS = 8
@@ -178,23 +178,3 @@ def copy_head_block_runs(
         {"ROW": row, "ROWS": rows, "CHUNK": min(next_power_of_2(row), _MAX_CHUNK), "ONE_RUN": isinstance(runs, tuple)},
         _NUM_WARPS, static_key=static_key, num_static=4 + len(scalars),
     )
-
-
-def copy_head_blocks_layers(
-    srcs, dsts, src_ids: torch.Tensor, dst_ids: torch.Tensor, src_head_start: int, dst_head_start: int,
-    num_heads: int,
-) -> None:
-    """`copy_head_blocks` for every (src, dst) layer pair in one launch (block ids one by one)."""
-    if src_ids.shape != dst_ids.shape or src_ids.dim() != 1:
-        raise ValueError(f"src_ids {tuple(src_ids.shape)} and dst_ids {tuple(dst_ids.shape)} must be equal 1-D")
-    ones = torch.ones_like(src_ids, dtype=torch.int32)
-    runs = torch.stack([src_ids.to(torch.int32), dst_ids.to(torch.int32), ones], dim=1)
-    copy_head_block_runs(srcs, dsts, runs, 1, src_head_start, dst_head_start, num_heads)
-
-
-def copy_head_blocks(
-    src: torch.Tensor, dst: torch.Tensor, src_ids: torch.Tensor, dst_ids: torch.Tensor,
-    src_head_start: int, dst_head_start: int, num_heads: int,
-) -> None:
-    """Triton version of `copy_head_blocks_reference` (same arguments, same result)."""
-    copy_head_blocks_layers([src], [dst], src_ids, dst_ids, src_head_start, dst_head_start, num_heads)

@@ -1,4 +1,4 @@
-"""Plain-torch reference of `pack.copy_head_blocks` (the kernel's test compares the two)."""
+"""Plain-torch reference of `pack.copy_head_block_runs` for block ids one by one (the kernel tests compare the two)."""
 
 from __future__ import annotations
 

@@ -8,11 +8,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.kernels.pack import (  # noqa: E402
-    copy_head_blocks,
-    copy_head_blocks_layers,
-    copy_head_blocks_reference,
-)
+from splitserve.kernels.pack import copy_head_block_runs, copy_head_blocks_reference  # noqa: E402
+
+
+def _copy_by_ids(srcs, dsts, src_ids, dst_ids, sh0, dh0, nh):
+    """Block ids one by one: a run table of one-block runs."""
+    runs = torch.stack([src_ids.int(), dst_ids.int(), torch.ones_like(src_ids, dtype=torch.int32)], dim=1)
+    copy_head_block_runs(srcs, dsts, runs, 1, sh0, dh0, nh)
 
 
 @pytest.mark.parametrize(
@@ -32,7 +34,7 @@ def test_copy_head_blocks_matches_reference(src_heads, dst_heads, sh0, dh0, nh, 
     dst_ids = torch.tensor([1, 6, 2, 0], dtype=torch.int32, device=device)
     expected = dst.clone()
     copy_head_blocks_reference(src, expected, src_ids, dst_ids, sh0, dh0, nh)
-    copy_head_blocks(src, dst, src_ids, dst_ids, sh0, dh0, nh)
+    _copy_by_ids([src], [dst], src_ids, dst_ids, sh0, dh0, nh)
     assert torch.equal(dst, expected)
 
 
@@ -41,13 +43,13 @@ def test_copy_head_blocks_refuses_bad_arguments(device):
     dst = torch.zeros(2, 3, 2, 2, 8, device=device)
     ids = torch.tensor([0, 1], device=device)
     with pytest.raises(ValueError, match="out of range"):
-        copy_head_blocks(src, dst, ids, ids, 0, 1, 2)
+        _copy_by_ids([src], [dst], ids, ids, 0, 1, 2)
     with pytest.raises(ValueError, match="must be contiguous"):
-        copy_head_blocks(src[:, :, ::2], dst, ids, ids, 0, 0, 2)
+        _copy_by_ids([src[:, :, ::2]], [dst], ids, ids, 0, 0, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_copy_head_blocks_layers_is_one_launch_of_the_per_layer_copies(dtype, device):
+def test_one_launch_over_layers_equals_the_per_layer_copies(dtype, device):
     """Separately allocated layers (as a KV pool's) in one launch = the per-layer reference."""
     g = torch.Generator().manual_seed(11)
     srcs = [torch.randn(2, 9, 4, 4, 8, generator=g).to(dtype).to(device) for _ in range(3)]
@@ -57,10 +59,10 @@ def test_copy_head_blocks_layers_is_one_launch_of_the_per_layer_copies(dtype, de
     expected = [d.clone() for d in dsts]
     for s, e in zip(srcs, expected, strict=True):
         copy_head_blocks_reference(s, e, src_ids, dst_ids, 2, 0, 2)
-    copy_head_blocks_layers(srcs, dsts, src_ids, dst_ids, 2, 0, 2)
+    _copy_by_ids(srcs, dsts, src_ids, dst_ids, 2, 0, 2)
     assert all(torch.equal(d, e) for d, e in zip(dsts, expected, strict=True))
     with pytest.raises(ValueError, match="first one's"):
-        copy_head_blocks_layers([srcs[0], srcs[1][:, :5]], dsts[:2], src_ids, dst_ids, 2, 0, 2)
+        _copy_by_ids([srcs[0], srcs[1][:, :5]], dsts[:2], src_ids, dst_ids, 2, 0, 2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
