@@ -4,7 +4,9 @@ plan, then the group votes and verifies checksums) and admits the request.
 With torch_dist the transfer step instead asks the prefill worker to push
 (rank 0, through `DecodeState.ask_push`) and every rank receives its part.
 Hybrid models move the recurrent state with the KV (`make_importer`; torch_dist: a second push,
-engine/handoff_push_state.py). Rank 0 forwards each step's outputs to the streams waiting for them."""
+engine/handoff_push_state.py). Rank 0 forwards each step's outputs to the streams waiting for them.
+With layer-wise streaming (`--layerwise`, a pull transport), the "prefetch" command starts pulling a
+handoff prefill is still computing (engine/prefetch.py) and "import" uses what it pulled."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from splitserve.engine.handoff import (
     TransferStep,
     engine_layout,
     make_importer,
+    pull_step,
 )
 from splitserve.engine.handoff_push import (
     PushGrant,
@@ -30,6 +33,7 @@ from splitserve.engine.handoff_push import (
     TorchDistEndpoint,
     TorchDistTransport,
 )
+from splitserve.engine.prefetch import Prefetches, SerializedTransport
 from splitserve.engine.serving import Command
 from splitserve.engine.state_handoff import StateStep, has_recurrent_state
 from splitserve.engine.transfer.layout import layout_text
@@ -45,6 +49,8 @@ class ImportOutcome:
     finished: float = 0.0
     dst_layout: str = ""
     """The decode side's KV layout (engine/transfer/layout.py `layout_text`)."""
+    prefetched: bool = False
+    """The KV came from a layer-wise prefetch (engine/prefetch.py) started during prefill."""
 
 
 @dataclass
@@ -52,6 +58,8 @@ class DecodeState:
     """Rank 0: the asyncio queue of every open Decode stream."""
 
     streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = field(default_factory=dict)
+    accepts_prefetch: bool = False
+    """Layer-wise streaming is on with a pull transport: Prefetch calls are taken up."""
     ask_push: Callable[[str, PushRequest], PushGrant] | None = None
     """torch_dist: `ask_push(prefill_address, request)` calls PushKV (set by the service;
     called from the engine thread, blocking, within the request's deadline)."""
@@ -67,6 +75,13 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
     state = DecodeState() if endpoints is not None else None
     if isinstance(transport, TorchDistTransport) and endpoints is not None:
         transport.group_endpoints = [TorchDistEndpoint.from_bytes(e.agent_metadata) for e in endpoints.values()]
+
+    pull = transport if isinstance(transport, KVTransport) else None
+    prefetches = None
+    if (pull is not None and engine.config.transfer.layerwise and not getattr(engine, "is_simulated", False)
+            and not has_recurrent_state(engine)):  # hybrid models: the state is pulled at import, unlocked
+        pull = SerializedTransport(pull)  # prefetch threads and imports share it
+        prefetches = Prefetches(engine, pull)
 
     def transfer_steps(
         desc: HandoffDescriptor, timeout_s: float, prefill_address: str
@@ -97,15 +112,19 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
         prefill_address = rest[0] if rest else ""
         stats: list[TransferStats] = []
         transfer, state_step = transfer_steps(desc, timeout_s, prefill_address)
-        pull = transport if isinstance(transport, KVTransport) else None
+        prefetch = prefetches.take(command.request_id, desc) if prefetches is not None else None
+        try:
+            if prefetch is not None:
+                transfer = prefetches.transfer_step(prefetch, pull_step(engine, pull, desc, timeout_s), timeout_s)
+            importer = make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer, state_step=state_step)
+        except BaseException:
+            if prefetch is not None:  # never imported: stop it, give its blocks back
+                prefetches.discard(command.request_id, prefetch)
+            raise
         try:
             reused = engine.add_imported_request(
-                command.request_id,
-                token_ids,
-                params,
-                desc.first_token_id,
-                desc.first_token_logprob,
-                make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer, state_step=state_step),
+                command.request_id, token_ids, params, desc.first_token_id, desc.first_token_logprob, importer,
+                reserved=prefetch is not None,
             )
         except TransferError as exc:
             # Every rank gets here together (the importer votes). After a refused push or a checksum
@@ -114,10 +133,32 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
             if transfer is not None and not isinstance(exc, (ChecksumMismatchError, PushRefusedError)):
                 transport.forget_source(desc)
             raise
-        return ImportOutcome(reused, stats[0] if stats else None, started, time.monotonic(), layout_text(engine_layout(engine)))
+        return ImportOutcome(reused, stats[0] if stats else None, started, time.monotonic(),
+                             layout_text(engine_layout(engine)), prefetch is not None)  # fmt: skip
 
-    return {
-        "handlers": {"import": import_handler, "block_set": lambda e, c: e.pool.cached_hashes()},
-        "on_output": state.deliver if state is not None else None,
-        "state": state,
-    }
+    handlers = {"import": import_handler, "block_set": lambda e, c: e.pool.cached_hashes()}
+    hooks = {"handlers": handlers, "on_output": state.deliver if state is not None else None, "state": state}
+    if prefetches is not None:
+
+        def prefetch_handler(engine: Engine, command: Command) -> None:
+            token_ids, preview = command.args
+            if engine.has_request(command.request_id):  # a late preview: its Decode came first
+                raise ValueError(f"request {command.request_id!r} is already running here")
+            prefetches.start(command.request_id, token_ids, preview)
+
+        def abort(engine: Engine, command: Command) -> bool:
+            dropped = prefetches.drop(command.request_id)
+            return bool(engine.abort(command.request_id)) or dropped
+
+        def add(engine: Engine, command: Command) -> None:  # served here after all: the prefetch is moot
+            prefetches.drop(command.request_id)
+            engine.add_request(command.request_id, *command.args)
+
+        handlers.update(
+            prefetch=prefetch_handler, abort=abort, add=add, drop_prefetch=lambda e, c: prefetches.drop(c.request_id)
+        )
+        hooks["housekeeping"] = lambda: [Command("drop_prefetch", rid) for rid in prefetches.expired()]
+        hooks["after_step"] = lambda engine, outputs: prefetches.collect()
+        if state is not None:
+            state.accepts_prefetch = True
+    return hooks

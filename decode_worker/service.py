@@ -110,12 +110,39 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             span.end()
             detach_quietly(token)
 
+    async def Prefetch(self, request, context):  # noqa: N802
+        """Start pulling a handoff prefill is still computing (advisory: declined → Decode pulls)."""
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a prefetch needs the request id")
+        try:
+            preview = descriptor_from_proto(request.handoff)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not self.state.accepts_prefetch:
+            return decode_worker_pb2.PrefetchResponse(
+                reason="this decode worker does not prefetch (needs --layerwise and a pull transport, no hybrid model)")
+        if self.group.draining:
+            return decode_worker_pb2.PrefetchResponse(reason="draining")
+        if not preview.is_preview:
+            return decode_worker_pb2.PrefetchResponse(reason="not a preview (it has block checksums): call Decode")
+        try:
+            await self._submit(Command("prefetch", request.request_id, (list(request.token_ids), preview)))
+        except (ValueError, NoFreeBlocksError, TransferError) as exc:
+            self.metrics.rejections.labels("decode", "prefetch_declined").inc()
+            return decode_worker_pb2.PrefetchResponse(reason=f"{type(exc).__name__}: {exc}")
+        except RuntimeError as exc:  # the engine loop stopped
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        return decode_worker_pb2.PrefetchResponse(accepted=True)
+
     async def _decode(self, request, context, clock: _DecodeClock, span):
         request_id = request.request_id or uuid.uuid4().hex
         token_ids = list(request.token_ids)
         try:
             params = sampling_from_proto(request.sampling_params)
             desc = descriptor_from_proto(request.handoff) if request.HasField("handoff") else None
+            if desc is not None and desc.is_preview:
+                raise ValueError("the handoff is a preview (no block checksums): send it to Prefetch, "
+                                 "and the response's full handoff to Decode")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         queue: asyncio.Queue = asyncio.Queue()
@@ -270,17 +297,19 @@ class _DecodeClock:
     transport: str = ""
     transfer_attributes: dict = field(default_factory=dict)
     import_failed: bool = False
+    prefetched: bool = False
 
     def on_import(self, outcome: ImportOutcome, desc, metrics) -> None:
         self.queue_end, self.import_end, self.stats = outcome.started, outcome.finished, outcome.stats
         self.transport = desc.transport_kind
+        self.prefetched = outcome.prefetched
         stats = outcome.stats or TransferStats(0, 0.0, 0)
         self.transfer_attributes = {
             "splitserve.kv.bytes": stats.num_bytes, "splitserve.kv.seconds": stats.seconds,
             "splitserve.kv.gbps": stats.gbps, "splitserve.kv.regions": stats.num_regions,
             "splitserve.kv.transport": desc.transport_kind, "splitserve.kv.src_layout": layout_text(desc.layout),
             "splitserve.kv.dst_layout": outcome.dst_layout, "splitserve.kv.reused_blocks": outcome.num_reused_blocks,
-            "splitserve.kv.blocks": len(desc.block_checksums),
+            "splitserve.kv.blocks": len(desc.block_checksums), "splitserve.kv.prefetched": outcome.prefetched,
         }  # fmt: skip
         metrics.transfer_bytes.labels("decode", desc.transport_kind).inc(stats.num_bytes)
         metrics.transfer_seconds.labels("decode", desc.transport_kind).inc(stats.seconds)
@@ -311,6 +340,7 @@ class _DecodeClock:
         if self.import_end is not None:
             t.transfer_ms = ms(self.queue_end, self.import_end)
             t.first_step_ms = ms(self.import_end, self.first_output)
+            t.prefetched = self.prefetched
             if self.stats is not None:
                 t.transfer_bytes, t.transfer_seconds = self.stats.num_bytes, self.stats.seconds
         else:

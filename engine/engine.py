@@ -72,6 +72,9 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
+        self.reserved: dict[str, tuple[list[int], int]] = {}
+        """Decode role: blocks held for a layer-wise prefetch (engine/prefetch.py), by request id:
+        (block table, prefix-cache hits), until `add_imported_request(reserved=True)` or `unreserve`."""
         self.model_path = config.model
         """Checkpoint the weights came from (changes on a lifecycle reload)."""
         self.is_suspended = False
@@ -147,20 +150,28 @@ class Engine:
         first_token_id: int,
         first_token_logprob: float | None,
         import_kv: Callable[[list[int], int], None],
+        reserved: bool = False,
     ) -> int:
         """Decode role: admit a request whose prompt KV comes from a prefill peer.
 
         `import_kv(block_ids, first_block)` fills blocks `first_block:` of the
         new block table in `self.kv_caches`; blocks before that were found in our
         own prefix cache. Returns the number of blocks reused from the cache.
+        `reserved`: import into the blocks `reserve_import_blocks` held for this request.
         """
         # A step in flight may still write a dropped row's KV into blocks freed a step
         # early (step_pipeline.py); a transport writes outside the device stream's order,
         # so let that step finish before blocks are handed to an import.
         self.flush()
-        req = self._new_request(request_id, prompt_token_ids, params)
+        held = self.reserved.pop(request_id) if reserved else None
         try:
-            self.scheduler.add_imported(req, first_token_id, import_kv)
+            req = self._new_request(request_id, prompt_token_ids, params)
+        except BaseException:
+            if held is not None:
+                self.pool.free(reversed(held[0]))
+            raise
+        try:
+            self.scheduler.add_imported(req, first_token_id, import_kv, held)
         except BaseException:
             self._forget(request_id)
             raise
@@ -172,6 +183,25 @@ class Engine:
         if status is not None:  # the first token already ends it (e.g. a one-token limit)
             self._finish(req, status, first_token_logprob)
         return reused
+
+    def reserve_import_blocks(self, request_id: str, prompt_token_ids: list[int]) -> tuple[list[int], int]:
+        """Decode role: hold the blocks a handoff of this prompt will be imported into (prefix-cache
+        hits, then fresh blocks) before the handoff is complete; returns (block table, hits).
+        Raises NoFreeBlocksError, or ValueError for an id already holding blocks."""
+        if request_id in self.reserved:
+            raise ValueError(f"request {request_id!r} already holds reserved blocks")
+        self.flush()  # as add_imported_request: no step in flight may write the blocks handed out
+        probe = Request(request_id, list(prompt_token_ids), SamplingParams(), (), 1)  # for its block hashes
+        held = self.scheduler.reserve_import(probe)
+        self.reserved[request_id] = held
+        return held
+
+    def unreserve(self, request_id: str) -> bool:
+        """Give back blocks `reserve_import_blocks` held (the prefetch was dropped)."""
+        held = self.reserved.pop(request_id, None)
+        if held is not None:
+            self.pool.free(reversed(held[0]))
+        return held is not None
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -273,6 +303,10 @@ class Engine:
             self.runner.states.unpin(request_id)
         return True
 
+    def has_request(self, request_id: str) -> bool:
+        """The request is waiting or running here (not finished, not handed off)."""
+        return request_id in self._requests
+
     def expired_handoffs(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
         return [r for r, h in self.handoffs.items() if h.lease_deadline <= now]
@@ -292,6 +326,9 @@ class Engine:
                 owned[b] = owned.get(b, 0) + 1
         for handoff in self.handoffs.values():
             for b in handoff.block_ids:
+                owned[b] = owned.get(b, 0) + 1
+        for block_ids, _ in self.reserved.values():
+            for b in block_ids:
                 owned[b] = owned.get(b, 0) + 1
         for b in range(self.pool.num_blocks):
             if self.pool.ref_count(b) != owned.get(b, 0):

@@ -99,10 +99,19 @@ class HandoffDescriptor:
         num_blocks = -(-self.num_tokens // self.layout.block_size)
         if any(len(ids) != num_blocks for ids in self.rank_block_ids.values()):
             raise ValueError(f"{self.num_tokens} tokens need {num_blocks} blocks per rank")
-        if len(self.block_checksums) != num_blocks:
+        if self.block_checksums and len(self.block_checksums) != num_blocks:
             raise ValueError(f"{len(self.block_checksums)} block checksums for {num_blocks} blocks")
         if self.progress_slot is not None and self.progress_slot < 0:
             raise ValueError(f"progress_slot must be >= 0 or None, got {self.progress_slot!r}")
+        if self.is_preview and self.progress_slot is None:
+            raise ValueError("a handoff without block checksums (a preview) must name a progress slot")
+
+    @property
+    def is_preview(self) -> bool:
+        """A preview (`PrefillEvent.handoff_started`): where the KV will be, published before the
+        prefill's forward pass, so no first token and no block checksums yet. Good for a prefetch
+        (engine/prefetch.py), never for an import."""
+        return not self.block_checksums
 
 
 def engine_layout(engine) -> KVLayout:
@@ -180,6 +189,28 @@ def build_descriptor(
     )
 
 
+def build_preview(
+    engine, request_id: str, slot: int, block_ids: Sequence[int], num_tokens: int,
+    endpoints: dict[int, RankEndpoint], transport_kind: str,
+) -> HandoffDescriptor:  # fmt: skip
+    """The preview of a streamed handoff whose forward pass is starting (rank 0 of the prefill
+    group): no first token, no checksums; leased as long as a pin will be."""
+    layout = engine_layout(engine)
+    return HandoffDescriptor(
+        request_id=request_id,
+        model_fingerprint=engine_fingerprint(engine),
+        layout=layout,
+        rank_block_ids={r: tuple(block_ids) for r in range(layout.world_size)},
+        num_tokens=num_tokens,
+        transport_kind=transport_kind,
+        endpoints=endpoints,
+        first_token_id=0,
+        lease_deadline_unix_ms=int((time.time() + engine.config.cache.handoff_lease_s) * 1000),
+        block_checksums=(),
+        progress_slot=slot,
+    )
+
+
 TransferStep = Callable[[TransferPlan, list[int]], TransferStats]
 """`step(plan, dst_block_ids)`: move this rank's ops of `plan` into the decode engine's KV
 (`dst_block_ids`: the request's block table, the same on every rank). Called on every rank
@@ -241,6 +272,9 @@ def make_importer(
 
         state_desc = desc if request_id in (None, desc.request_id) else dataclasses.replace(desc, request_id=request_id)
         move_state = state_step if state_step is not None else pull_state_step(engine, transport, desc, timeout_s)
+
+    if desc.is_preview:
+        raise ValueError(f"handoff {desc.request_id} is a preview (no block checksums): prefetch it, do not import it")
 
     def import_kv(block_ids: list[int], first_block: int) -> None:
         dst = engine_layout(engine)

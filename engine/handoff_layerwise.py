@@ -7,14 +7,26 @@ of this rank's transport (engine/transfer/progress.py), and give slots back when
       rank 0 puts `slot` in the descriptor
     after every step: slots of requests no longer pinned (acked, aborted, expired) are closed
 
-Layers are marked once the step that finished the prompt is done, i.e. all at once: the
-decode side is handed the descriptor only after prefill returns (the router calls Decode after
-Prefill), so there is no earlier reader to serve. A decode side that starts before prefill
-ends would need layers marked as the forward pass finishes each of them — the board, the
-descriptor slot and the streamed pull already work that way (benchmarks/handoff.py measures it).
+Served streaming (`LayerPublisher`): when the step that completes a prompt starts, each rank
+opens the request's slot *before* the forward pass and rank 0 publishes a preview of the handoff
+(`PrefillEvent.handoff_started`: blocks, layout, endpoints, slot — no first token, no checksums);
+the router gives it to the decode worker's `Prefetch` (engine/prefetch.py), which pulls each
+layer as soon as the forward pass has written it:
+
+    step start ─▶ open slot, preview ─(router)─▶ decode: reserve blocks, poll the board
+    layer 0 forward ─▶ ready[0] = prompt_len           pull layer 0
+    layer 1 forward ─▶ ready[1] = prompt_len           pull layer 1 ...
+    step end ─▶ first token, then `publish_layers` (unit checksums), descriptor ─▶ Decode: verify
+
+Per-layer marks need the layer's KV writes finished when the mark is written: true on the CPU
+(the forward is synchronous), not on a GPU stream, where layers are marked after the step (a
+prefetch then starts pulling at the step's end, still before the checksums and the reply). The
+marks carry readiness only; a prefetch is verified by the descriptor's block checksums on import.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from splitserve.engine.transfer.progress import ProgressBoard
 
@@ -34,7 +46,53 @@ def publish_layers(engine, board: ProgressBoard, handoff) -> int | None:
 
 
 def close_released(engine, board: ProgressBoard) -> None:
-    """Give back the slots of requests whose pins are gone (ack, abort, lease expiry)."""
+    """Give back the slots of requests whose pins are gone (ack, abort, lease expiry), or that
+    ended without a handoff; a request still in the engine (its step in flight) keeps its slot."""
     for request_id in board.open_requests():
-        if request_id not in engine.handoffs:
+        if request_id not in engine.handoffs and not engine.has_request(request_id):
             board.close(request_id)
+
+
+StartedCallback = Callable[[str, int, tuple[int, ...], int], None]
+"""`on_started(request_id, slot, block_ids, num_tokens)`: a streamed handoff's forward pass begins."""
+
+
+class LayerPublisher:
+    """The model runner's layer listener on a prefill rank (`ModelRunner.layer_listener`).
+
+    `board` returns the transport's board, or None when streaming is off; `on_started` (rank 0)
+    publishes the preview. Owned by the engine thread."""
+
+    def __init__(self, engine, board: Callable[[], ProgressBoard | None], on_started: StartedCallback | None = None):
+        self.engine = engine
+        self.board = board
+        self.on_started = on_started
+
+    def forward_started(self, out) -> Callable[[int], None] | None:
+        """Open slots for the chunks of `out` that complete their prompt; returns the per-layer
+        callback for this step's forward pass (None: nothing to mark as it goes)."""
+        board = self.board()
+        if board is None:
+            return None
+        live: list[tuple[int, int]] = []
+        block_size = self.engine.block_size
+        for chunk in out.chunks:
+            req = chunk.request
+            if chunk.start + chunk.num_tokens != req.prompt_len or req.output_token_ids:
+                continue  # not the prompt's last chunk (or already generating: not a handoff)
+            try:
+                slot = board.open(req.request_id)
+            except RuntimeError:  # board full: this handoff is published without streaming
+                continue
+            live.append((slot, req.prompt_len))
+            if self.on_started is not None:
+                num_blocks = -(-req.prompt_len // block_size)
+                self.on_started(req.request_id, slot, tuple(req.block_ids[:num_blocks]), req.prompt_len)
+        if not live or self.engine.runner.device.type != "cpu":
+            return None
+
+        def layer_written(local_layer: int) -> None:
+            for slot, num_tokens in live:
+                board.mark(slot, local_layer, None, (), num_tokens)
+
+        return layer_written

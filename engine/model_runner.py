@@ -126,6 +126,9 @@ class ModelRunner:
                 scratch_block=self.scratch_block,
                 block_size=self.block_size,
             )
+        self.layer_listener = None
+        """Prefill role with layer-wise streaming (engine/handoff_layerwise.py `LayerPublisher`):
+        told when a step's forward pass starts, and called after each local layer of it."""
         self._base_seeds: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
 
@@ -154,6 +157,10 @@ class ModelRunner:
         extra = {}
         if self.states is not None:  # hybrid: the mixers' recurrent-state slots for this step
             extra = dict(mamba_meta=self.states.prepare(out, self.backend, self.device), mamba_states=self.states.layers)
+        if self.layer_listener is not None:
+            after_layer = self.layer_listener.forward_started(out)
+            if after_layer is not None and self.states is None:  # hybrid layers: marked after the step
+                extra["after_layer"] = after_layer
         hidden = self.model(
             inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden, **extra
         )

@@ -66,30 +66,45 @@ class Scheduler:
         req.extend_block_hashes(self.block_size)
         self.waiting.append(req)
 
-    def add_imported(self, req: Request, first_token_id: int, import_kv: Callable[[list[int], int], None]) -> None:
-        """Admit a request whose prompt KV arrives from a prefill peer (decode role).
-
-        Blocks already in our prefix cache are reused; `import_kv(block_ids,
-        first_block)` must fill blocks `first_block:` of the new table. On any
-        failure the blocks are given back and the error propagates.
-        """
-        if len(self.running) >= self.config.max_requests:
-            raise NoFreeBlocksError(f"decode engine is full ({self.config.max_requests} requests running)")
+    def reserve_import(self, req: Request) -> tuple[list[int], int]:
+        """Blocks to import `req`'s prompt into: its prefix-cache hits (referenced) followed by
+        fresh ones, and the number of hits. Raises NoFreeBlocksError; the caller owns the blocks."""
         req.extend_block_hashes(self.block_size)
         hits = self.pool.lookup(req.block_hashes[: req.prompt_len // self.block_size])
         num_new = self._blocks_for(req.prompt_len) - len(hits)
         if not self.pool.can_allocate(num_new):
             raise NoFreeBlocksError(f"need {num_new} KV blocks to import, {self.pool.num_available} available")
         self.pool.ref(hits)
-        req.block_ids = hits + self.pool.allocate(num_new)
+        return hits + self.pool.allocate(num_new), len(hits)
+
+    def add_imported(
+        self, req: Request, first_token_id: int, import_kv: Callable[[list[int], int], None],
+        reserved: tuple[list[int], int] | None = None,
+    ) -> None:  # fmt: skip
+        """Admit a request whose prompt KV arrives from a prefill peer (decode role).
+
+        Blocks already in our prefix cache are reused; `import_kv(block_ids,
+        first_block)` must fill blocks `first_block:` of the new table. `reserved`
+        (from `reserve_import`, owned from here on) replaces the lookup and allocation.
+        On any failure the blocks are given back and the error propagates.
+        """
+        if len(self.running) >= self.config.max_requests:
+            if reserved is not None:
+                self.pool.free(reversed(reserved[0]))
+            raise NoFreeBlocksError(f"decode engine is full ({self.config.max_requests} requests running)")
+        if reserved is None:
+            reserved = self.reserve_import(req)
+        else:
+            req.extend_block_hashes(self.block_size)
+        req.block_ids, num_hits = list(reserved[0]), reserved[1]
         try:
-            import_kv(req.block_ids, len(hits))
+            import_kv(req.block_ids, num_hits)
         except BaseException:
             self.pool.free(reversed(req.block_ids))
             req.block_ids = []
             raise
-        req.num_cached_tokens = len(hits) * self.block_size
-        req.num_registered_blocks = len(hits)
+        req.num_cached_tokens = num_hits * self.block_size
+        req.num_registered_blocks = num_hits
         req.output_token_ids.append(first_token_id)
         req.status = RequestStatus.RUNNING
         self.running.append(req)

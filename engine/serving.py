@@ -48,10 +48,13 @@ class EngineLoop:
         after_step: Callable[[Engine, list[StepOutput]], None] | None = None,
         handlers: dict[str, ApplyHook] | None = None,
         idle_tick_s: float = 0.1,
+        housekeeping: Callable[[], list[Command]] | None = None,
     ):
         """`handlers` adds command kinds (e.g. "import" for the decode worker),
         each run on every rank; `after_step` runs on every rank after each step
-        (collectives allowed); `on_output` runs on rank 0 only."""
+        (collectives allowed); `on_output` runs on rank 0 only; `housekeeping`
+        runs on rank 0 every iteration (idle ones too) and returns commands for
+        every rank, like lease expiry (clock decisions are rank 0's)."""
         self.engine = engine
         self.on_output = on_output
         self.after_step = after_step
@@ -64,6 +67,7 @@ class EngineLoop:
             **(handlers or {}),
         }
         self.idle_tick_s = idle_tick_s
+        self.housekeeping = housekeeping
         self._pending: list[tuple[Command, concurrent.futures.Future]] = []
         self._cond = threading.Condition()
         self._stopped = threading.Event()
@@ -100,6 +104,8 @@ class EngineLoop:
             batch, self._pending = self._pending, []
         for request_id in self.engine.expired_handoffs():
             batch.append((Command("release", request_id), concurrent.futures.Future()))
+        if self.housekeeping is not None:
+            batch.extend((command, concurrent.futures.Future()) for command in self.housekeeping())
         return batch
 
     def run(self) -> None:

@@ -255,6 +255,7 @@ class SimEngine:
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
+        self.reserved: dict[str, tuple[list[int], int]] = {}  # never filled: no prefetch without KV
         self.is_suspended = False
         self.snapshot_outputs = True
         self.num_pinned_blocks = 0
@@ -278,6 +279,7 @@ class SimEngine:
     add_request = Engine.add_request
     add_imported_request = Engine.add_imported_request
     has_unfinished = Engine.has_unfinished
+    has_request = Engine.has_request
     step = Engine.step
     flush = Engine.flush
     _note_scheduled = Engine._note_scheduled
@@ -289,6 +291,8 @@ class SimEngine:
     expired_handoffs = Engine.expired_handoffs
     release_expired_handoffs = Engine.release_expired_handoffs
     check_integrity = Engine.check_integrity
+    reserve_import_blocks = Engine.reserve_import_blocks
+    unreserve = Engine.unreserve
 
 
 def build_sim_engine(

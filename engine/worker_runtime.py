@@ -197,6 +197,7 @@ def _build_rank(
             "block_set": block_set,
             "integrity": lambda e, c: check_integrity(e),
         },
+        housekeeping=hooks.get("housekeeping"),
     )
     return engine, transport, loop, state
 

@@ -18,8 +18,14 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from splitserve.engine.engine import Engine, StepOutput
-from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint, build_descriptor, group_block_checksums
-from splitserve.engine.handoff_layerwise import close_released, publish_layers
+from splitserve.engine.handoff import (
+    HandoffDescriptor,
+    RankEndpoint,
+    build_descriptor,
+    build_preview,
+    group_block_checksums,
+)
+from splitserve.engine.handoff_layerwise import LayerPublisher, close_released, publish_layers
 from splitserve.engine.handoff_push import TorchDistTransport, serve_push
 from splitserve.engine.request import GenerationResult
 from splitserve.engine.state_handoff import build_state_handoff, has_recurrent_state
@@ -64,8 +70,14 @@ class PrefillState:
     """PrefillOutcome futures: set once the handoff is published (or the request finished)."""
     first_tokens: dict[str, concurrent.futures.Future] = field(default_factory=dict)
     """FirstToken futures: set as soon as the token is sampled, before anything is published."""
+    started: dict[str, concurrent.futures.Future] = field(default_factory=dict)
+    """Layer-wise streaming: preview HandoffDescriptor futures, set when the forward pass that
+    completes the prompt starts (engine/handoff_layerwise.py `LayerPublisher`)."""
     push_waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
     """torch_dist: PushKV calls waiting for the "push" command's decision, by push id."""
+
+    def signal_started(self, request_id: str, preview: HandoffDescriptor) -> None:
+        _settle(self.started.pop(request_id, None), preview)
 
     def signal_first_token(self, request_id: str, result: GenerationResult) -> None:
         future = self.first_tokens.pop(request_id, None)
@@ -78,7 +90,7 @@ class PrefillState:
 
     def forget(self, request_id: str) -> None:
         """The call is gone (cancelled, timed out, aborted): drop and cancel its futures."""
-        for futures in (self.first_tokens, self.waiters):
+        for futures in (self.started, self.first_tokens, self.waiters):
             future = futures.pop(request_id, None)
             if future is not None:
                 future.cancel()
@@ -101,6 +113,14 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
         return getattr(transport, "board", None) if engine.config.transfer.layerwise else None
 
     is_hybrid = has_recurrent_state(engine)
+
+    def on_started(request_id: str, slot: int, block_ids: tuple[int, ...], num_tokens: int) -> None:
+        if state is not None and request_id in state.started:  # someone waits for this preview
+            state.signal_started(request_id, build_preview(
+                engine, request_id, slot, block_ids, num_tokens, state.endpoints, state.transport_kind))
+
+    if engine.config.transfer.layerwise and hasattr(engine, "runner"):
+        engine.runner.layer_listener = LayerPublisher(engine, board, on_started if state is not None else None)
 
     def after_step(engine: Engine, outputs: list[StepOutput]) -> None:
         if board() is not None:  # first: slots of released pins are free for this step's handoffs

@@ -24,6 +24,7 @@ import uuid
 import grpc
 
 from splitserve.engine import fault_injection
+from splitserve.engine.handoff import HandoffDescriptor
 from splitserve.engine.handoff_push import PushGrant, PushRequest
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.layout import layout_text
@@ -80,6 +81,8 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             async for message in messages:
                 if isinstance(message, FirstToken):
                     yield prefill_worker_pb2.PrefillEvent(first_token=_first_token_to_proto(message))
+                elif isinstance(message, HandoffDescriptor):
+                    yield prefill_worker_pb2.PrefillEvent(handoff_started=descriptor_to_proto(message))
                 else:
                     yield prefill_worker_pb2.PrefillEvent(response=message)
 
@@ -102,7 +105,9 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
                 try:
                     async with contextlib.aclosing(self._prefill(request, context, started, is_stream)) as messages:
                         async for message in messages:
-                            if isinstance(message, FirstToken):
+                            if isinstance(message, HandoffDescriptor):
+                                span.add_event("handoff_started", {"splitserve.progress_slot": message.progress_slot})
+                            elif isinstance(message, FirstToken):
                                 span.add_event(FIRST_MESSAGE)  # the trace report's reply leg starts here
                             else:
                                 outcome = "handoff" if message.HasField("handoff") else "finished"
@@ -142,10 +147,17 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self.state.first_tokens[request_id] = first_token
         self.state.waiters[request_id] = waiter
+        preview_future: concurrent.futures.Future | None = None
+        if is_stream and self.engine.config.transfer.layerwise:
+            preview_future = self.state.started[request_id] = concurrent.futures.Future()
         deadline = started + self.timeout_s
         first_sent = None
         try:
             await self._submit(Command("add", request_id, (list(request.token_ids), params)))
+            if preview_future is not None:  # the preview, unless the first token comes first (board full, ...)
+                preview = await self._preview(request_id, preview_future, first_token, deadline)
+                if preview is not None:
+                    yield preview
             if is_stream:
                 first = await asyncio.wait_for(asyncio.wrap_future(first_token), deadline - time.monotonic())
                 first_sent = time.monotonic()
@@ -175,6 +187,20 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             response.finish_reason = finish_reason(outcome.result)
         response.timing.CopyFrom(self._record_timing(outcome, started, first_sent))
         yield response
+
+    async def _preview(self, request_id: str, started, first_token, deadline: float) -> HandoffDescriptor | None:
+        """The streamed handoff's preview once its forward pass starts; None when the first token
+        came without one. Raises TimeoutError past `deadline`."""
+        waits = [asyncio.wrap_future(started), asyncio.wrap_future(first_token)]
+        done, _ = await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                                     return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+        if not done:
+            raise TimeoutError
+        self.state.started.pop(request_id, None)
+        if waits[0] in done and not waits[0].cancelled():
+            return waits[0].result()
+        started.cancel()
+        return None
 
     def _record_timing(
         self, outcome: PrefillOutcome, started: float, first_sent: float | None

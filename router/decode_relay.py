@@ -14,6 +14,7 @@ Owned by the Orchestrator; one event loop.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -68,6 +69,8 @@ class DecodeRelay:
         by default the request itself); raises WorkerCallError when no retry can save the request."""
         request, handoff = start_from or run.request, prefill.handoff if prefill else None
         prefill_worker = self._view.worker(run.prefill_worker_id) if run.prefill_worker_id else None
+        if run.prefetch is not None:  # the decode worker must see the prefetch before the import
+            await asyncio.wait([run.prefetch], timeout=self._config.control_timeout_s)
         failed: set[str] = set()
         while True:
             worker = self._view.worker(run.decode_worker_id)

@@ -167,6 +167,8 @@ class DecodeTiming:
     first_step_ms: float = 0.0
     first_chunk_ms: float = 0.0
     stream_ms: float = 0.0
+    prefetched: bool = False
+    """The KV came from a layer-wise prefetch started while prefill was computing."""
 
 
 class WorkerCallError(RuntimeError):
@@ -193,6 +195,15 @@ class PrefillFirstToken:
     """One entry."""
     finish_reason: FinishReason | None = None
     """Set when this token already ends the request (the PrefillResult follows with nothing pinned)."""
+
+
+@dataclass(frozen=True)
+class PrefillHandoffStarted:
+    """PrefillStream's optional first event (layer-wise streaming): the handoff's preview, sent as the
+    forward pass that completes the prompt starts; the router passes it to DecodeWorker.Prefetch."""
+
+    preview: bytes
+    """The serialized preview HandoffDescriptor (no first token, no checksums): opaque to the router."""
 
 
 @dataclass(frozen=True)

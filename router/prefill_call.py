@@ -8,6 +8,9 @@
           │   a retry could sample another one — so the worker's request is aborted and the decode
           │   worker computes prompt + first token itself (aggregated, one token less to generate)
 
+Layer-wise streaming: a worker that streams the handoff first sends its preview, as the forward
+pass completing the prompt starts; it goes at once to the chosen decode worker's Prefetch (a
+background task the Decode call waits for), so the KV moves while prefill still computes.
 A first token that already ends the request (its event carries the finish reason) is held until
 the response and sent with it, so a failure in between is retried like one before any token.
 A request error (INVALID_ARGUMENT, OUT_OF_RANGE) propagates. Each call has a deadline, a worker
@@ -17,6 +20,7 @@ Orchestrator; one event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -32,6 +36,7 @@ from splitserve.router.messages import (
     FinishReason,
     GenerateRequest,
     PrefillFirstToken,
+    PrefillHandoffStarted,
     PrefillResult,
     Tokens,
     WorkerCallError,
@@ -105,7 +110,10 @@ class PrefillCaller:
                 try:
                     with self._view.load.track(worker.worker_id):
                         async for event in call:
-                            if isinstance(event, PrefillFirstToken):
+                            if isinstance(event, PrefillHandoffStarted):
+                                span.add_event("handoff_started")
+                                self._prefetch(run, event.preview)
+                            elif isinstance(event, PrefillFirstToken):
                                 first_at = run.first_token_in_hand_at = time.monotonic()
                                 span.add_event(FIRST_MESSAGE)
                                 run.prefill_call_ms = (first_at - started) * 1e3
@@ -147,6 +155,27 @@ class PrefillCaller:
         run.num_transfer_blocks = 0
         run.reason += "; serving aggregated"
         yield PrefillDone(None)
+
+    def _prefetch(self, run: RequestRun, preview: bytes) -> None:
+        """Hand the preview to the decode worker (a background task; Decode awaits it)."""
+        worker = self._view.worker(run.decode_worker_id)
+        if worker is None or run.is_aborted:
+            return
+        run.touched[worker.worker_id] = worker  # it reserves blocks: an Abort must reach it
+        if run.prefetch is not None:
+            run.prefetch.cancel()
+
+        async def call() -> None:
+            try:
+                accepted, reason = await self._client.prefetch(worker, run.request, preview, self._config.control_timeout_s)
+            except WorkerCallError as e:  # advisory: Decode pulls as usual
+                log.info("prefetch of %s on %s failed: %s", run.request.request_id, worker.worker_id, e)
+                return
+            self.metrics.prefetches.labels("accepted" if accepted else "declined").inc()
+            if not accepted:
+                log.info("prefetch of %s declined by %s: %s", run.request.request_id, worker.worker_id, reason)
+
+        run.prefetch = asyncio.create_task(call(), name=f"prefetch-{run.request.request_id}")
 
     def _failed(
         self, run: RequestRun, worker, error: WorkerCallError, sent: Tokens | None, failed: set[str]

@@ -5,6 +5,7 @@ Everything here is pure (no I/O), so the retry rules are testable alone.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 
 import grpc
@@ -68,6 +69,9 @@ class RequestRun:
     prefill_timing: PrefillTiming | None = None
     decode_timing: DecodeTiming | None = None
     trace_id: str = ""
+    prefetch: asyncio.Task | None = None
+    """Layer-wise streaming: the DecodeWorker.Prefetch call of the handoff's preview (prefill_call.py);
+    Decode waits for it, so the decode worker sees the prefetch before the import."""
 
     def last_chunk(self, tokens: Tokens, finish_reason: FinishReason, now: float) -> OutputChunk:
         """The final chunk: `tokens` plus usage, routing and (if asked) timing summaries."""

@@ -196,7 +196,7 @@ def decode_output_from_proto(message: decode_worker_pb2.DecodeChunk) -> DecodeOu
         t = message.timing
         timing = DecodeTiming(
             t.queue_ms, t.prefill_ms, t.transfer_ms, t.transfer_bytes, t.transfer_seconds, t.transport,
-            t.first_step_ms, t.first_chunk_ms, t.stream_ms,
+            t.first_step_ms, t.first_chunk_ms, t.stream_ms, t.prefetched,
         )  # fmt: skip
     return DecodeOutput(tokens, _FINISH_FROM_PROTO.get(message.finish_reason), message.num_cached_tokens, timing)
 

@@ -17,6 +17,7 @@ from splitserve import grpc_security
 from splitserve.control_plane.shard_spec import Role
 from splitserve.proto.v1 import (
     common_pb2,
+    decode_worker_pb2,
     decode_worker_pb2_grpc,
     prefill_worker_pb2,
     prefill_worker_pb2_grpc,
@@ -26,6 +27,7 @@ from splitserve.router.messages import (
     DecodeOutput,
     GenerateRequest,
     PrefillFirstToken,
+    PrefillHandoffStarted,
     PrefillResult,
     WorkerCallError,
 )
@@ -64,20 +66,22 @@ class DecodeCall:
 
 
 class PrefillStreamCall:
-    """A running PrefillWorker.PrefillStream: iterate for a PrefillFirstToken, then the PrefillResult;
-    `cancel()` to end it (the worker then aborts the request)."""
+    """A running PrefillWorker.PrefillStream: iterate for [a PrefillHandoffStarted,] a PrefillFirstToken,
+    then the PrefillResult; `cancel()` to end it (the worker then aborts the request)."""
 
     def __init__(self, worker: WorkerEndpoint, call: grpc.aio.UnaryStreamCall) -> None:
         self._worker = worker
         self._call = call
 
-    async def __aiter__(self) -> AsyncIterator[PrefillFirstToken | PrefillResult]:
+    async def __aiter__(self) -> AsyncIterator[PrefillHandoffStarted | PrefillFirstToken | PrefillResult]:
         first: PrefillFirstToken | None = None
         has_result = False
         try:
             async for message in self._call:
                 kind = message.WhichOneof("event")
-                if kind == "first_token" and first is None and not has_result:
+                if kind == "handoff_started" and first is None and not has_result:
+                    yield PrefillHandoffStarted(message.handoff_started.SerializeToString())
+                elif kind == "first_token" and first is None and not has_result:
                     first = first_token_from_proto(message.first_token)
                     yield first
                 elif kind == "response" and not has_result:
@@ -126,6 +130,19 @@ class GrpcWorkerClient:
         stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(worker.address))
         message = decode_request_to_proto(request, handoff, prefill_address)
         return DecodeCall(worker, stub.Decode(message, timeout=timeout_s, metadata=inject_metadata()))
+
+    async def prefetch(
+        self, worker: WorkerEndpoint, request: GenerateRequest, preview: bytes, timeout_s: float
+    ) -> tuple[bool, str]:
+        """DecodeWorker.Prefetch: (accepted, reason declined)."""
+        stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(worker.address))
+        message = decode_worker_pb2.PrefetchRequest(request_id=request.request_id, token_ids=request.token_ids)
+        message.handoff.ParseFromString(preview)
+        try:
+            reply = await stub.Prefetch(message, timeout=timeout_s, metadata=inject_metadata())
+        except grpc.aio.AioRpcError as e:
+            raise _error(worker, "Prefetch", e) from e
+        return reply.accepted, reply.reason
 
     async def abort(self, worker: WorkerEndpoint, request_id: str, timeout_s: float) -> bool:
         """Abort on the worker's service; False if it did not know the request."""

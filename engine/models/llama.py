@@ -11,6 +11,8 @@ Shapes use a flat token batch: T tokens of several sequences, hidden [T, hidden]
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +21,7 @@ from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.fused import fuse_projections, fused_layers_forward
+from splitserve.engine.models.fused import linear as fused_linear
 from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
@@ -134,22 +137,27 @@ class CausalLM(nn.Module):
         kv_caches: list[torch.Tensor],
         input_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
+        after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """input_ids [T] on the first stage, else `hidden` [T, hidden] from the previous stage."""
+        """input_ids [T] on the first stage, else `hidden` [T, hidden] from the previous stage.
+        `after_layer(i)` runs once local layer i has written its KV (eager path only)."""
         if self.ps.is_first_stage:
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.fused:
             return fused_layers_forward(self, hidden, cos, sin, kv_caches, meta)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv, meta)
+            if after_layer is not None:
+                after_layer(i)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
-        x = self.norm(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        if self.fused:  # one norm kernel, and fp32 logits straight from the GEMM at decode sizes
+            return fused_linear(kernels.rms_norm(hidden, self.norm.weight, self.norm.eps), weight, out_dtype=torch.float32)
+        return F.linear(self.norm(hidden), weight).float()
 
 
 def build_model(cfg: ModelConfig, ps: ParallelState, path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:

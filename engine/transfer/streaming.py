@@ -18,6 +18,7 @@ descriptor's block checksums afterwards instead, as a non-streamed import is.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -74,12 +75,14 @@ def streamed_pull(
     timeout_s: float = 30.0,
     poll_s: float = 0.0002,
     verify: bool = True,
+    cancel: threading.Event | None = None,
 ) -> TransferStats:
     """Pull `dst_rank`'s ops of `plan` layer by layer as the sources' boards show them ready.
 
     Blocks until every layer is in (and verified against its units when `verify` and the whole
     request is pulled); raises TransferTimeout naming the layers still missing at the deadline,
-    UnitChecksumError for a layer that arrived wrong.
+    UnitChecksumError for a layer that arrived wrong, TransferError once `cancel` is set (checked
+    between pulls).
     """
     start = time.perf_counter()
     deadline = time.monotonic() + timeout_s
@@ -90,6 +93,8 @@ def streamed_pull(
     num_bytes = num_regions = 0
     check = verify and plan.first_block == 0
     while any(done < op.num_layers for done, op in zip(pulled, ops, strict=True)):
+        if cancel is not None and cancel.is_set():
+            raise TransferError("layer-wise pull cancelled")
         rows = {s: RowView.parse(transport.read_board(remote[s], stream.slot, shapes[s].width), shapes[s])
                 for s in sources}
         ready = {s: row.num_ready_layers(stream.tag, stream.num_tokens) for s, row in rows.items()}

@@ -27,7 +27,7 @@ from splitserve.proto.v1 import handoff_pb2 as splitserve_dot_v1_dot_handoff__pb
 from splitserve.proto.v1 import prefill_worker_pb2 as splitserve_dot_v1_dot_prefill__worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/v1/decode_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\x1a\"splitserve/v1/prefill_worker.proto\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x07handoff\x18\x04 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.splitserve.v1.DecodeTiming\"\xd0\x01\n\x0c\x44\x65\x63odeTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x15\n\rfirst_step_ms\x18\x07 \x01(\x01\x12\x16\n\x0e\x66irst_chunk_ms\x18\x08 \x01(\x01\x12\x11\n\tstream_ms\x18\t \x01(\x01\x32\xb6\x02\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeChunk0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12Q\n\x0e\x43heckIntegrity\x12\x1f.splitserve.v1.IntegrityRequest\x1a\x1e.splitserve.v1.IntegrityReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!splitserve/v1/decode_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\x1a\"splitserve/v1/prefill_worker.proto\"\xba\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x31\n\x07handoff\x18\x04 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x17\n\x0fprefill_address\x18\x05 \x01(\t\"k\n\x0fPrefetchRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x31\n\x07handoff\x18\x03 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\"4\n\x10PrefetchResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\xe5\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\x05\x12+\n\x06timing\x18\x06 \x01(\x0b\x32\x1b.splitserve.v1.DecodeTiming\"\xe4\x01\n\x0c\x44\x65\x63odeTiming\x12\x10\n\x08queue_ms\x18\x01 \x01(\x01\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x13\n\x0btransfer_ms\x18\x03 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x04 \x01(\x03\x12\x18\n\x10transfer_seconds\x18\x05 \x01(\x01\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x15\n\rfirst_step_ms\x18\x07 \x01(\x01\x12\x16\n\x0e\x66irst_chunk_ms\x18\x08 \x01(\x01\x12\x11\n\tstream_ms\x18\t \x01(\x01\x12\x12\n\nprefetched\x18\n \x01(\x08\x32\x83\x03\n\x0c\x44\x65\x63odeWorker\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeChunk0\x01\x12K\n\x08Prefetch\x12\x1e.splitserve.v1.PrefetchRequest\x1a\x1f.splitserve.v1.PrefetchResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12Q\n\x0e\x43heckIntegrity\x12\x1f.splitserve.v1.IntegrityRequest\x1a\x1e.splitserve.v1.IntegrityReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=146
   _globals['_DECODEREQUEST']._serialized_end=332
-  _globals['_DECODECHUNK']._serialized_start=335
-  _globals['_DECODECHUNK']._serialized_end=564
-  _globals['_DECODETIMING']._serialized_start=567
-  _globals['_DECODETIMING']._serialized_end=775
-  _globals['_DECODEWORKER']._serialized_start=778
-  _globals['_DECODEWORKER']._serialized_end=1088
+  _globals['_PREFETCHREQUEST']._serialized_start=334
+  _globals['_PREFETCHREQUEST']._serialized_end=441
+  _globals['_PREFETCHRESPONSE']._serialized_start=443
+  _globals['_PREFETCHRESPONSE']._serialized_end=495
+  _globals['_DECODECHUNK']._serialized_start=498
+  _globals['_DECODECHUNK']._serialized_end=727
+  _globals['_DECODETIMING']._serialized_start=730
+  _globals['_DECODETIMING']._serialized_end=958
+  _globals['_DECODEWORKER']._serialized_start=961
+  _globals['_DECODEWORKER']._serialized_end=1348
 # @@protoc_insertion_point(module_scope)

@@ -23,6 +23,24 @@ class DecodeRequest(_message.Message):
     prefill_address: str
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., prefill_address: _Optional[str] = ...) -> None: ...
 
+class PrefetchRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "handoff")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    handoff: _handoff_pb2.HandoffDescriptor
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class DecodeChunk(_message.Message):
     __slots__ = ("token_ids", "logprobs", "top_logprobs", "finish_reason", "num_cached_tokens", "timing")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -40,7 +58,7 @@ class DecodeChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TokenTopLogprobs, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_cached_tokens: _Optional[int] = ..., timing: _Optional[_Union[DecodeTiming, _Mapping]] = ...) -> None: ...
 
 class DecodeTiming(_message.Message):
-    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "transfer_seconds", "transport", "first_step_ms", "first_chunk_ms", "stream_ms")
+    __slots__ = ("queue_ms", "prefill_ms", "transfer_ms", "transfer_bytes", "transfer_seconds", "transport", "first_step_ms", "first_chunk_ms", "stream_ms", "prefetched")
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
@@ -50,6 +68,7 @@ class DecodeTiming(_message.Message):
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     FIRST_CHUNK_MS_FIELD_NUMBER: _ClassVar[int]
     STREAM_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFETCHED_FIELD_NUMBER: _ClassVar[int]
     queue_ms: float
     prefill_ms: float
     transfer_ms: float
@@ -59,4 +78,5 @@ class DecodeTiming(_message.Message):
     first_step_ms: float
     first_chunk_ms: float
     stream_ms: float
-    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., first_step_ms: _Optional[float] = ..., first_chunk_ms: _Optional[float] = ..., stream_ms: _Optional[float] = ...) -> None: ...
+    prefetched: bool
+    def __init__(self, queue_ms: _Optional[float] = ..., prefill_ms: _Optional[float] = ..., transfer_ms: _Optional[float] = ..., transfer_bytes: _Optional[int] = ..., transfer_seconds: _Optional[float] = ..., transport: _Optional[str] = ..., first_step_ms: _Optional[float] = ..., first_chunk_ms: _Optional[float] = ..., stream_ms: _Optional[float] = ..., prefetched: _Optional[bool] = ...) -> None: ...

@@ -41,6 +41,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_decode__worker__pb2.DecodeChunk.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/Prefetch',
+                request_serializer=splitserve_dot_v1_dot_decode__worker__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_decode__worker__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Abort',
                 request_serializer=splitserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -84,6 +89,21 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Layer-wise streaming: start pulling a handoff that prefill is still
+        computing (the preview of PrefillEvent.handoff_started), layer by layer as
+        the prefill ranks' progress boards show them written, into blocks reserved
+        for the request. Returns once the pull has started (or was declined: the
+        call is advisory). A later Decode of the same request whose handoff names
+        the same source blocks uses the prefetched KV (verified by its block
+        checksums as any import) instead of pulling again; anything else falls
+        back to a plain pull. Reserved blocks are freed by that Decode, by Abort,
+        or at the preview's lease deadline: never leaked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Cancels a running decode; its stream ends with FINISH_REASON_ABORT.
         """
@@ -114,6 +134,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=splitserve_dot_v1_dot_decode__worker__pb2.DecodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_decode__worker__pb2.DecodeChunk.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=splitserve_dot_v1_dot_decode__worker__pb2.PrefetchRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_decode__worker__pb2.PrefetchResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -158,6 +183,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Decode',
             splitserve_dot_v1_dot_decode__worker__pb2.DecodeRequest.SerializeToString,
             splitserve_dot_v1_dot_decode__worker__pb2.DecodeChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/Prefetch',
+            splitserve_dot_v1_dot_decode__worker__pb2.PrefetchRequest.SerializeToString,
+            splitserve_dot_v1_dot_decode__worker__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -33,12 +33,14 @@ class PrefillResponse(_message.Message):
     def __init__(self, handoff: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ..., num_cached_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timing: _Optional[_Union[PrefillTiming, _Mapping]] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
-    __slots__ = ("first_token", "response")
+    __slots__ = ("first_token", "response", "handoff_started")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    HANDOFF_STARTED_FIELD_NUMBER: _ClassVar[int]
     first_token: PrefillFirstToken
     response: PrefillResponse
-    def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ...) -> None: ...
+    handoff_started: _handoff_pb2.HandoffDescriptor
+    def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., handoff_started: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason")

@@ -38,6 +38,9 @@ class RouterMetrics:
                                  ["policy", "mode"], registry=r)  # fmt: skip
         self.retries = Counter("splitserve_router_retries", "Worker calls retried elsewhere, by stage",
                                ["stage"], registry=r)  # fmt: skip
+        self.prefetches = Counter("splitserve_router_prefetches",
+                                  "Layer-wise handoff previews sent to DecodeWorker.Prefetch, by answer",
+                                  ["answer"], registry=r)  # fmt: skip
         self.route_seconds = Histogram("splitserve_router_route_seconds", "Time to decide a route",
                                        buckets=LATENCY_BUCKETS, registry=r)  # fmt: skip
         self.ttft_seconds = Histogram("splitserve_router_time_to_first_token_seconds",
