@@ -35,7 +35,8 @@ def replay_time(llm, batch: int, iters: int = 50) -> float:
     if graphs is None:
         return float("nan")
     bucket = next(b for b in graphs.buckets if b >= batch)
-    static = graphs._get(bucket)
+    width = min(w for b, w in graphs._static if b == bucket)  # the context bucket the run used
+    static = graphs._get(bucket, width)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):

@@ -24,6 +24,7 @@ __all__ = [
     "apply_rotary_qk",
     "apply_rotary_qk_and_write_kv",
     "argmax_rows",
+    "decode_linear",
     "kv_block_checksums",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -49,6 +50,7 @@ _LAZY = {
     "apply_rotary_qk_and_write_kv": "rotary",
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
+    "decode_linear": "linear",
     "sample_rows": "sampling",
     "silu_and_mul": "activation",
     "selective_state_update": "ssm_state_update",
@@ -61,6 +63,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
+    from .linear import decode_linear
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention

@@ -230,8 +230,9 @@ def paged_decode_attention(
     block_d = max(16, next_power_of_2(head_dim))
     is_single = plan.num_partitions == 1
     if num_warps is None:
-        # 2 warps beat 4 by ~30% at batch 64 x 8k on an H200 (more programs resident).
-        num_warps = 2 if block_d <= 128 else 4
+        # 2 warps beat 4 by ~30% at batch 64 x 8k on an H200 (more programs resident);
+        # the 128-token steps of unsplit plans (decode_plan.py) want 4.
+        num_warps = 2 if block_d <= 128 and plan.block_n < 128 else 4
     if is_single:
         part_out = part_lse = out  # unused
     else:

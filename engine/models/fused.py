@@ -14,6 +14,10 @@ gate/up weights once and re-points the per-projection parameters at views of
 the fused tensors, so the checkpoint loader (and a lifecycle reload, which
 calls it again) keep working and no memory is duplicated.
 
+`logits` is the last stage's head in the same spirit: the Triton RMSNorm, then
+fp32 logits straight from `kernels.decode_linear` at decode sizes (one launch
+instead of a cuBLAS GEMM, an upcast of [B, vocab] and ~8 norm kernels).
+
 Used only where the Triton kernels run on CUDA (`build_model`); the CPU path
 keeps the unfused modules, the numerical reference of the tests.
 """
@@ -95,3 +99,13 @@ def fused_layers_forward(
     if residual is None:
         return hidden
     return residual + x
+
+
+def logits(norm, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits [N, vocab] of hidden [N, H] through the final RMSNorm `norm`."""
+    from splitserve.kernels.linear import MAX_ROWS
+
+    x = kernels.rms_norm(hidden, norm.weight, norm.eps)
+    if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_ROWS:
+        return kernels.decode_linear(x, weight, out_dtype=torch.float32)
+    return F.linear(x, weight).float()

@@ -21,7 +21,7 @@ from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.fused import fuse_projections, fused_layers_forward
-from splitserve.engine.models.fused import linear as fused_linear
+from splitserve.engine.models.fused import logits as fused_logits
 from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
@@ -155,8 +155,8 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.fused:  # one norm kernel, and fp32 logits straight from the GEMM at decode sizes
-            return fused_linear(kernels.rms_norm(hidden, self.norm.weight, self.norm.eps), weight, out_dtype=torch.float32)
+        if self.fused:
+            return fused_logits(self.norm, hidden, weight)
         return F.linear(self.norm(hidden), weight).float()
 
 

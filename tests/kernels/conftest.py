@@ -25,6 +25,7 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.norm",
     "splitserve.kernels.rotary",
     "splitserve.kernels.activation",
+    "splitserve.kernels.linear",
     "splitserve.kernels.argmax",
     "splitserve.kernels.kv_checksum",
     "splitserve.kernels.sampling",

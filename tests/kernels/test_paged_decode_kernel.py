@@ -109,6 +109,8 @@ def test_plan_depends_on_shapes_only():
     assert plan_decode(64, 8, 512, 16, cpu).num_partitions <= plan.num_partitions
     # ... short contexts of a big batch are not split, long ones still are (ragged batches balance).
     assert plan_decode(64, 8, 48, 16, cpu).num_partitions == 1
+    assert plan_decode(64, 8, 48, 16, cpu).block_n == 128  # unsplit: wider steps (4 warps)
+    assert plan_decode(1, 8, 512, 16, cpu).block_n == 64
     assert plan_decode(512, 8, 2048, 16, cpu).num_partitions > 1
 
 
