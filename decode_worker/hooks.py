@@ -116,7 +116,8 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
         try:
             if prefetch is not None:
                 transfer = prefetches.transfer_step(prefetch, pull_step(engine, pull, desc, timeout_s), timeout_s)
-            importer = make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer, state_step=state_step)
+            importer = make_importer(engine, pull, desc, timeout_s, stats, transfer=transfer, state_step=state_step,
+                                     checked=prefetch.checked if prefetch is not None else None)  # fmt: skip
         except BaseException:
             if prefetch is not None:  # never imported: stop it, give its blocks back
                 prefetches.discard(command.request_id, prefetch)

@@ -118,9 +118,8 @@ class TransferConfig:
     """KV handoff between a prefill and a decode worker (engine/handoff.py, engine/transfer/)."""
 
     layerwise: bool = False
-    """Layer-wise streaming. Prefill role: publish each layer's readiness (and its per-(layer,
-    kv head) checksums) on the transport's progress board and name the board slot in the
-    handoff descriptor. Decode role: when a descriptor names a slot, pull each layer as soon as
+    """Layer-wise streaming. Prefill role: publish each layer's readiness on the transport's
+    progress board and name the board slot in the handoff descriptor. Decode role: when a descriptor names a slot, pull each layer as soon as
     the board shows it written instead of all at once (engine/transfer/streaming.py), so the
     transfer overlaps the prefill's later layers when the decode side starts early. Needs a
     transport with a board (nixl, shm, inproc); torch_dist and cuda_ipc ignore it. Off by default:

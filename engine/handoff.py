@@ -229,12 +229,13 @@ def pull_step(engine, transport: KVTransport, desc: HandoffDescriptor, timeout_s
     def step(plan: TransferPlan, dst_block_ids: list[int]) -> TransferStats:
         if not plan.ops_for_dst(engine.ps.rank):
             return TransferStats(0, 0.0, 0)
-        if is_streamed:  # layer by layer as the boards show them; units verified per layer
+        if is_streamed:  # layer by layer as the boards show them; the block checksums verify it after
             from splitserve.engine.transfer.progress import request_tag
             from splitserve.engine.transfer.streaming import StreamSpec, streamed_pull
 
             spec = StreamSpec(desc.progress_slot, request_tag(desc.request_id), desc.num_tokens)
-            return streamed_pull(transport, plan, engine.ps.rank, remote, engine.kv_caches, spec, timeout_s)
+            return streamed_pull(transport, plan, engine.ps.rank, remote, engine.kv_caches, spec, timeout_s,
+                                 verify=False)  # fmt: skip
         return transport.pull(plan, engine.ps.rank, remote, engine.kv_caches, timeout_s)
 
     return step
@@ -249,13 +250,15 @@ def make_importer(
     transfer: TransferStep | None = None,
     state_step: Callable | None = None,
     request_id: str | None = None,
+    checked: Callable[[], torch.Tensor | None] | None = None,
 ) -> Callable[[list[int], int], None]:
     """The `import_kv(block_ids, first_block)` callback for `Engine.add_imported_request`.
 
     Runs on every rank of the decode group (a collective): each rank moves its
     own ops with `transfer` (default: `pull_step` of `transport`), then all ranks
     vote and verify the block checksums, so either every rank keeps the request
-    or every rank rolls it back.
+    or every rank rolls it back. `checked()`, when given, returns this rank's share of
+    the pulled blocks' checksums if it was computed as they arrived (else None: computed here).
     """
     if getattr(engine, "is_simulated", False):  # --engine sim: no KV to move, only its time to model
         from splitserve.engine.sim_engine import make_sim_importer
@@ -293,7 +296,9 @@ def make_importer(
             if has_state:
                 state_partial = import_state(engine, state_desc, move_state)
             stage = HandoffStage.VERIFYING
-            partial = partial_block_checksums(engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
+            early = checked() if checked is not None else None  # summed as the layers arrived (a prefetch)
+            partial = early if early is not None else partial_block_checksums(
+                engine.kv_caches, dst, engine.ps.rank, block_ids[first_block:n])
         except Exception as exc:  # vote below; every rank must reach the collectives
             error = exc
         if not engine.ps.all_true(error is None):

@@ -32,12 +32,14 @@ def _checksum_kernel_fits(kv_tensors: Sequence[torch.Tensor]) -> bool:
 
 
 def partial_block_checksums(
-    kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int, block_ids: Sequence[int]
+    kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int, block_ids: Sequence[int],
+    layers: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """This rank's share of the block checksums: int64 [len(block_ids), 2] (s1, s2), each < PRIME.
 
     Only the primary holder of a replicated head counts it, so summing the
-    partials of all ranks gives every unit exactly once.
+    partials of all ranks gives every unit exactly once. `layers` (local indices) limits it to
+    those layers; the shares of disjoint layer sets add up (mod PRIME) to the whole.
     """
     tp_rank, pp_rank = layout.tp_rank(rank), layout.pp_rank(rank)
     h0, h1 = layout.heads_of(tp_rank)
@@ -49,22 +51,56 @@ def partial_block_checksums(
     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
     local = torch.as_tensor([h - h0 for h in heads], dtype=torch.long, device=device)
     layer_start = layout.layer_ranges[pp_rank][0]
-    if _checksum_kernel_fits(kv_tensors):  # one launch for every layer, reading the cache where it is
+    if _checksum_kernel_fits(kv_tensors) and layers is None:  # one launch for every layer, in place
         from splitserve import kernels
 
         mult = _multipliers(layout, layer_start, len(kv_tensors), tuple(heads), device)
         return kernels.kv_block_checksums(kv_tensors, idx, local, mult)
-    for i, t in enumerate(kv_tensors):
-        x = t.index_select(1, idx).index_select(2, local)  # [2, n, h, bs, d]
-        words = _words(x.permute(1, 2, 0, 3, 4)).reshape(len(block_ids), len(heads), -1)  # [n, h, W]
-        weights = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=device)
-        s1 = words.sum(-1) % PRIME  # [n, h]
-        s2 = ((words * weights) % PRIME).sum(-1) % PRIME
+    for i in range(len(kv_tensors)) if layers is None else layers:
+        s1, s2 = _unit_sums(kv_tensors[i], idx, local, block_ids)  # [n, h] each, < PRIME
         mult = torch.as_tensor(_unit_multipliers(layout, layer_start + i, heads), dtype=torch.int64, device=device)
         total[:, 0] += (s1 * mult % PRIME).sum(-1)
         total[:, 1] += (s2 * mult % PRIME).sum(-1)
         total %= PRIME
     return total
+
+
+def _unit_sums(t: torch.Tensor, idx: torch.Tensor, local: torch.Tensor, block_ids: Sequence[int]):
+    """(s1, s2) of every (block, head) unit of one layer tensor [2, NB, H, bs, d]: int64 [n, h] each.
+
+    A unit's words are its K slab then its V slab (M words each), weighted 1..2M. Rather than
+    gathering them into that order, each half is reduced where it lies with one float64 GEMM
+    against [1, i]: s2 = K·i + V·i + M·ΣV. Every partial sum is an integer below 2^53 (checked),
+    so float64 is exact, and the mod comes once at the end — the same values as reducing the
+    unit's words in order, a few times faster than int64 elementwise passes on a CPU.
+    """
+    n, h = len(block_ids), local.numel()
+    is_run = n and list(block_ids) == list(range(block_ids[0], block_ids[0] + n))
+    all_heads = h == t.shape[2] and torch.equal(local, torch.arange(h, device=local.device))
+    m = t[0, 0, 0].numel() * t.element_size() // 2  # words per half-unit
+    if 65535 * m * (m + 1) // 2 * 2 >= 1 << 53:  # float64 would round: reduce in int64
+        x = t.index_select(1, idx).index_select(2, local)
+        words = _words(x.permute(1, 2, 0, 3, 4)).reshape(n, h, -1)
+        weights = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=t.device)
+        return words.sum(-1) % PRIME, ((words * weights) % PRIME).sum(-1) % PRIME
+    basis = torch.stack([torch.ones(m, dtype=torch.float64, device=t.device),
+                         torch.arange(1, m + 1, dtype=torch.float64, device=t.device)], dim=1)  # fmt: skip
+    sums = []
+    for half in t:  # K, then V: [NB, H, bs, d]
+        y = half.narrow(0, block_ids[0], n) if is_run else half.index_select(0, idx)  # a run: no gather
+        if not all_heads:
+            y = y.index_select(1, local)
+        words = y.contiguous().view(torch.uint16).reshape(n * h, m)
+        # In slices of _UNITS_PER_GEMM: the float64 copy stays in cache (~3x faster than at once).
+        sums.append(torch.cat([words[s:s + _UNITS_PER_GEMM].to(torch.float64) @ basis
+                               for s in range(0, n * h, _UNITS_PER_GEMM)]).to(torch.int64))  # fmt: skip
+    k, v = sums  # [units, 2]: (Σw, Σ i·w) per half
+    s1 = k[:, 0] + v[:, 0]
+    s2 = k[:, 1] + v[:, 1] + m * v[:, 0]
+    return (s1 % PRIME).reshape(n, h), (s2 % PRIME).reshape(n, h)
+
+
+_UNITS_PER_GEMM = 128
 
 
 def _unit_multipliers(layout: KVLayout, layer: int, heads: Sequence[int]) -> list[int]:

@@ -16,7 +16,7 @@ layer as soon as the forward pass has written it:
     step start ─▶ open slot, preview ─(router)─▶ decode: reserve blocks, poll the board
     layer 0 forward ─▶ ready[0] = prompt_len           pull layer 0
     layer 1 forward ─▶ ready[1] = prompt_len           pull layer 1 ...
-    step end ─▶ first token, then `publish_layers` (unit checksums), descriptor ─▶ Decode: verify
+    step end ─▶ first token, then `publish_layers` (all layers), descriptor ─▶ Decode: verify
 
 Per-layer marks need the layer's KV writes finished when the mark is written: true on the CPU
 (the forward is synchronous), not on a GPU stream, where layers are marked after the step (a
@@ -32,7 +32,9 @@ from splitserve.engine.transfer.progress import ProgressBoard
 
 
 def publish_layers(engine, board: ProgressBoard, handoff) -> int | None:
-    """Open a slot for `handoff` and mark every local layer written (unit checksums included).
+    """Open a slot for `handoff` (or keep the one `LayerPublisher` opened) and mark every local
+    layer written. Readiness only: the served path verifies an import by the descriptor's block
+    checksums, so per-(layer, head) unit checksums would be a second pass over the KV for nothing.
 
     Returns the slot, or None when the board is full (the handoff is then published without
     streaming and pulled all at once). Call on every rank of the prefill group."""
@@ -40,8 +42,8 @@ def publish_layers(engine, board: ProgressBoard, handoff) -> int | None:
         slot = board.open(handoff.request_id)
     except RuntimeError:
         return None
-    for layer, kv in enumerate(engine.kv_caches):
-        board.mark(slot, layer, kv, handoff.block_ids, handoff.num_tokens)
+    for layer in range(len(engine.kv_caches)):
+        board.mark(slot, layer, None, (), handoff.num_tokens)
     return slot
 
 

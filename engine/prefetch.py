@@ -10,7 +10,9 @@
           yes → import into the reserved blocks; the transfer step waits for the thread (the
                 last layers), and if the prefetch failed pulls the plan again from the pinned copy
           no  → drop the prefetch, import as usual
-        either way the block checksums are verified as for any import (a prefetch checks nothing)
+        either way the block checksums are verified as for any import; the prefetch thread has
+        already summed this rank's share layer by layer as they arrived, so only the comparison
+        is left (unless the plan was pulled again)
     Abort, or the preview's lease deadline passing (rank 0's clock, sent as a "drop_prefetch"
     command): cancel the thread, wait for it, give the blocks back. Nothing stays reserved.
 
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.handoff import HandoffDescriptor, TransferStep, engine_layout
+from splitserve.engine.handoff_checksums import PRIME, partial_block_checksums
 from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.progress import request_tag
 from splitserve.engine.transfer.streaming import StreamSpec, streamed_pull
@@ -38,9 +41,13 @@ from splitserve.engine.transfer.transport import KVTransport, TransferError, Tra
 
 log = logging.getLogger(__name__)
 
-PREFETCH_POLL_S = 0.001
-"""Board polling interval of a prefetch: it may wait through a whole prefill, so it polls less
-often than a pull started after prefill (a prefill layer takes milliseconds or more)."""
+PREFETCH_POLL_S = 0.0005
+PREFETCH_MAX_POLL_S = 0.02
+"""Board polling of a prefetch: from PREFETCH_POLL_S, doubling while nothing new is ready, up to
+PREFETCH_MAX_POLL_S. It may wait through a whole prefill, and a thread waking every few hundred
+microseconds takes a core from a prefill that shares the host (measured on a 2-core machine: the
+prefill's OpenMP regions stall on the preempted thread, first token +30%). The last layer is at
+most ~20 ms late, while the prefill still samples, checksums and publishes."""
 JOIN_TIMEOUT_S = 10.0
 """How long dropping a prefetch waits for its thread (cancelled between pulls) to stop."""
 
@@ -72,9 +79,22 @@ class Prefetch:
     plan: TransferPlan
     deadline: float
     """`time.monotonic()` at the preview's lease deadline (rank 0's decides expiry)."""
+    block_ids: list[int] = field(default_factory=list)
+    """The request's block table here (prefix-cache hits, then the reserved blocks)."""
+    first_block: int = 0
     cancel: threading.Event = field(default_factory=threading.Event)
     thread: threading.Thread | None = None
     outcome: TransferStats | BaseException | None = None
+    partial: torch.Tensor | None = None
+    """This rank's share of the pulled blocks' checksums, summed layer by layer in the thread (CPU
+    caches; a GPU's kernel does all layers at once at import)."""
+    checked_layers: set[int] = field(default_factory=set)
+    num_layers: int = 0
+    """Local layers of this rank's KV (all must be summed for `checked` to answer)."""
+
+    def checked(self) -> torch.Tensor | None:
+        """The share, if every local layer was summed and nothing was pulled again since."""
+        return self.partial if self.partial is not None and len(self.checked_layers) == self.num_layers else None
 
     def wait(self, timeout_s: float) -> TransferStats:
         """The pull's stats once every layer is in. Raises TransferError (timeout or failure)."""
@@ -130,7 +150,7 @@ class Prefetches:
             engine.unreserve(request_id)
             raise
         left_s = max(0.0, preview.lease_deadline_unix_ms / 1000 - time.time())
-        entry = Prefetch(preview, plan, time.monotonic() + left_s)
+        entry = Prefetch(preview, plan, time.monotonic() + left_s, block_ids, hits, num_layers=len(engine.kv_caches))
         self._entries[request_id] = entry
         if not plan.ops_for_dst(engine.ps.rank):
             entry.outcome = TransferStats(0, 0.0, 0)
@@ -143,11 +163,24 @@ class Prefetches:
         desc = entry.preview
         spec = StreamSpec(desc.progress_slot, request_tag(desc.request_id), desc.num_tokens)
         remote = {r: e.agent_metadata for r, e in desc.endpoints.items()}
+        engine = self.engine
+        kv, layout, rank = engine.kv_caches, engine_layout(engine), engine.ps.rank
+        pulled_blocks = entry.block_ids[entry.first_block:]
+        is_cpu = kv[0].device.type == "cpu"
+        if is_cpu:
+            entry.partial = torch.zeros(len(pulled_blocks), 2, dtype=torch.int64)
+
+        def summed(layers: list[int]) -> None:  # while later layers are still being computed
+            entry.partial += partial_block_checksums(kv, layout, rank, pulled_blocks, layers)
+            entry.partial %= PRIME
+            entry.checked_layers.update(layers)
+
         try:
             with torch.inference_mode():
                 entry.outcome = streamed_pull(
-                    self.transport, entry.plan, self.engine.ps.rank, remote, self.engine.kv_caches, spec,
-                    timeout_s=timeout_s, poll_s=PREFETCH_POLL_S, verify=False, cancel=entry.cancel,
+                    self.transport, entry.plan, rank, remote, kv, spec, timeout_s=timeout_s, poll_s=PREFETCH_POLL_S,
+                    max_poll_s=PREFETCH_MAX_POLL_S,
+                    verify=False, cancel=entry.cancel, on_layers=summed if is_cpu else None,
                 )  # fmt: skip
         except BaseException as exc:  # read by `Prefetch.wait` on the engine thread
             entry.outcome = exc
@@ -216,6 +249,7 @@ class Prefetches:
                     if entry.thread.is_alive():  # cannot write the blocks under a pull still running
                         raise
                 log.warning("prefetch of %s failed (%s); pulling it again", entry.preview.request_id, exc)
+                entry.partial = None  # the share summed so far is not of what is pulled now
                 return fallback(plan, dst_block_ids)
 
         return step

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -74,15 +74,19 @@ def streamed_pull(
     stream: StreamSpec,
     timeout_s: float = 30.0,
     poll_s: float = 0.0002,
+    max_poll_s: float | None = None,
     verify: bool = True,
     cancel: threading.Event | None = None,
+    on_layers: Callable[[list[int]], None] | None = None,
 ) -> TransferStats:
     """Pull `dst_rank`'s ops of `plan` layer by layer as the sources' boards show them ready.
 
     Blocks until every layer is in (and verified against its units when `verify` and the whole
     request is pulled); raises TransferTimeout naming the layers still missing at the deadline,
     UnitChecksumError for a layer that arrived wrong, TransferError once `cancel` is set (checked
-    between pulls).
+    between pulls). A poll that finds nothing new doubles the wait before the next, up to
+    `max_poll_s` (default `poll_s`: no backoff); progress resets it. `on_layers(layers)` is told the destination (local) layers every op of this
+    rank has now delivered, as they complete (a prefetch checksums them meanwhile).
     """
     start = time.perf_counter()
     deadline = time.monotonic() + timeout_s
@@ -92,6 +96,8 @@ def streamed_pull(
     pulled = [0] * len(ops)
     num_bytes = num_regions = 0
     check = verify and plan.first_block == 0
+    reported: set[int] = set()
+    wait_s = poll_s
     while any(done < op.num_layers for done, op in zip(pulled, ops, strict=True)):
         if cancel is not None and cancel.is_set():
             raise TransferError("layer-wise pull cancelled")
@@ -109,8 +115,10 @@ def streamed_pull(
                 waiting = sorted({op.layer_start + done for done, op in zip(pulled, ops, strict=True)
                                   if done < op.num_layers})
                 raise TransferTimeout(f"layer-wise pull: layers from {waiting} not ready after {timeout_s:.1f}s")
-            time.sleep(poll_s)
+            time.sleep(wait_s)
+            wait_s = min(2 * wait_s, max_poll_s or poll_s)
             continue
+        wait_s = poll_s
         stats = transport.pull(replace(plan, ops=tuple(batch)), dst_rank, remote, kv_tensors,
                                max(0.001, deadline - time.monotonic()))
         num_bytes += stats.num_bytes
@@ -121,7 +129,24 @@ def streamed_pull(
                 return RowView.parse(row, shapes[src_rank])
 
             _verify(batch, rows, kv_tensors, reread)
+        if on_layers is not None:
+            done = _complete_layers(ops, pulled) - reported
+            reported |= done
+            if done:
+                on_layers(sorted(done))
     return TransferStats(num_bytes, time.perf_counter() - start, num_regions)
+
+
+def _complete_layers(ops: Sequence[TransferOp], pulled: Sequence[int]) -> set[int]:
+    """Destination layers that every op writing them has delivered (`pulled[i]` layers of op i)."""
+    need: dict[int, int] = {}
+    have: dict[int, int] = {}
+    for done, op in zip(pulled, ops, strict=True):
+        for j in range(op.num_layers):
+            layer = op.dst_layer_start + j
+            need[layer] = need.get(layer, 0) + 1
+            have[layer] = have.get(layer, 0) + (j < done)
+    return {layer for layer, n in need.items() if have[layer] == n}
 
 
 def _verify(batch: Sequence[TransferOp], rows: Mapping[int, RowView], kv_tensors: Sequence[torch.Tensor],

@@ -16,7 +16,7 @@ from splitserve.engine.handoff_layerwise import close_released, publish_layers
 from splitserve.engine.transfer import streaming
 from splitserve.engine.transfer.inproc import InProcTransport
 from tests.fixtures.models import build_hf_checkpoint
-from tests.fixtures.workers import disagg_generate, running_worker
+from tests.fixtures.workers import disagg_generate, running_worker, streamed_generate
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=64, max_tokens=64)
 PARAMS = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True)
@@ -139,3 +139,64 @@ def test_streamed_handoff_between_worker_processes_matches_aggregated(model_dir,
         assert resp.handoff.HasField("progress_slot")  # published on the board, pulled layer by layer
         assert tokens == ref.generated_tokens
         assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+
+
+def _served_cases():
+    # One pair in the default stage (shm, the cheapest); the rest with the slow ones.
+    for transport, src, dst in (("shm", "tp1", "tp1"), ("nixl", "tp2", "tp1"), ("shm", "tp1", "tp2")):
+        marks = [] if (transport, src, dst) == ("shm", "tp1", "tp1") else [pytest.mark.slow]
+        if transport == "nixl":
+            marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
+        yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
+
+
+@pytest.mark.parametrize("transport, src, dst", list(_served_cases()))
+def test_served_prefetch_overlaps_prefill_and_matches_aggregated(model_dir, expected, transport, src, dst):
+    """The served path: PrefillStream previews each handoff before its forward pass, the decode
+    worker prefetches from the preview, and Decode imports what it pulled — the aggregated engine's
+    tokens and log-probs; a prefetch whose request is aborted or never decoded leaves nothing held."""
+    flags = [*ENGINE_FLAGS, "--transport", transport]
+    with (
+        running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
+        running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,
+    ):
+        results = streamed_generate(pw.address, dw.address, _prompts(), WORKER_PARAMS)
+        for (tokens, logprobs, kinds, prefetch, timing), ref in zip(results, expected, strict=True):
+            assert kinds == ["handoff_started", "first_token", "response"]
+            assert prefetch.accepted, prefetch.reason
+            assert timing.prefetched and timing.transfer_bytes > 0
+            assert tokens == ref.generated_tokens
+            assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+        _prefetch_then_abort(pw.address, dw.address, _prompts()[2])
+
+
+def _prefetch_then_abort(prefill_address, decode_address, prompt):
+    import grpc
+
+    from splitserve.engine.wire import sampling_to_proto
+    from splitserve.proto.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
+    from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
+
+    with grpc.insecure_channel(prefill_address) as pc, grpc.insecure_channel(decode_address) as dc:
+        prefill, decode = prefill_grpc.PrefillWorkerStub(pc), decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+        request = prefill_worker_pb2.PrefillRequest(request_id="gone", token_ids=prompt,
+                                                    sampling_params=sampling_to_proto(WORKER_PARAMS))
+        stream = prefill.PrefillStream(request, timeout=60)
+        started = next(stream)
+        assert started.WhichOneof("event") == "handoff_started"
+        reply = decode.Prefetch(decode_worker_pb2.PrefetchRequest(
+            request_id="gone", token_ids=prompt, handoff=started.handoff_started), timeout=10)
+        assert reply.accepted
+        held = decode.CheckIntegrity(common_pb2.IntegrityRequest(), timeout=10)
+        assert held.is_ok and held.num_in_use_blocks == -(-len(prompt) // 8)  # reserved for the prefetch
+        stream.cancel()  # the client went away: the router aborts both workers
+        assert prefill.Abort(common_pb2.AbortRequest(request_id="gone"), timeout=10) is not None
+        assert decode.Abort(common_pb2.AbortRequest(request_id="gone"), timeout=10).was_found
+        for stub in (prefill, decode):
+            report = stub.CheckIntegrity(common_pb2.IntegrityRequest(), timeout=10)
+            assert report.is_ok and report.num_in_use_blocks == 0 and report.num_requests == 0, report
+        bad = decode_worker_pb2.DecodeRequest(request_id="x", token_ids=prompt, handoff=started.handoff_started,
+                                              sampling_params=sampling_to_proto(WORKER_PARAMS))
+        with pytest.raises(grpc.RpcError) as err:  # a preview is for Prefetch, never for Decode
+            list(decode.Decode(bad, timeout=10))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

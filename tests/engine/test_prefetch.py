@@ -11,7 +11,9 @@ import pytest
 
 from splitserve import LLM, SamplingParams
 from splitserve.decode_worker.hooks import decode_hooks
+from splitserve.engine import handoff
 from splitserve.engine.handoff import RankEndpoint, build_descriptor, build_preview, group_block_checksums
+from splitserve.engine.handoff import ChecksumMismatchError
 from splitserve.engine.handoff_layerwise import LayerPublisher, close_released, publish_layers
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.inproc import InProcTransport
@@ -70,12 +72,26 @@ class Decode:
         self.engine = LLM(str(ckpt), role="decode", layerwise=True, **OPTIONS).engine
         self.hooks = decode_hooks(self.engine, InProcTransport(), None)
         self.handlers = self.hooks["handlers"]
+        self.verified_at_import = []  # block checksums computed on the engine thread at import
+        self.importing = False
+        real = handoff.partial_block_checksums
+
+        def spy(*args, **kwargs):
+            if self.importing and threading.current_thread() is threading.main_thread():
+                self.verified_at_import.append(args[3])
+            return real(*args, **kwargs)
+
+        handoff.partial_block_checksums = spy  # the importer's name for it (restored by the fixture)
 
     def prefetch(self, preview, prompt=PROMPT):
         self.handlers["prefetch"](self.engine, Command("prefetch", preview.request_id, (prompt, preview)))
 
     def import_(self, desc, prompt=PROMPT):
-        return self.handlers["import"](self.engine, Command("import", desc.request_id, (prompt, PARAMS, desc, 30.0, "")))
+        self.importing = True
+        try:
+            return self.handlers["import"](self.engine, Command("import", desc.request_id, (prompt, PARAMS, desc, 30.0, "")))
+        finally:
+            self.importing = False
 
     def finish(self):
         final = None
@@ -83,6 +99,13 @@ class Decode:
             for out in self.engine.step():
                 final = out.result
         return final.generated_tokens
+
+
+@pytest.fixture(autouse=True)
+def _restore_checksums():
+    real = handoff.partial_block_checksums
+    yield
+    handoff.partial_block_checksums = real
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +131,7 @@ def test_prefetch_pulls_layers_while_the_forward_pass_runs(llama_ckpt, expected)
     finally:
         InProcTransport.pull = real_pull
     assert len(prefill.previews) == 1 and prefill.previews[0].is_preview
+    assert decode.verified_at_import == []  # the thread summed the checksums as layers arrived
     assert outcome.prefetched and outcome.stats.num_bytes == 6 * 4 * 2 * 2 * 4 * 16 * 4  # 6 blocks, 4 layers fp32
     early = [layers for layers, at in pulls if at < forward_end]
     assert early and len(pulls) >= 2, pulls  # layers arrived one batch at a time, during the forward pass
@@ -190,3 +214,17 @@ def test_a_late_preview_is_refused_once_the_request_runs(llama_ckpt):
     with pytest.raises(ValueError, match="already running"):
         decode.prefetch(preview)
     assert decode.engine.reserved == {}
+
+
+def test_a_byte_corrupted_before_the_prefetch_pulled_it_is_caught(llama_ckpt):
+    prefill, decode = Prefill(llama_ckpt), Decode(llama_ckpt)
+    desc = prefill.run("r", PROMPT)  # checksums taken; every layer marked ready
+    block = desc.rank_block_ids[0][2]
+    prefill.engine.kv_caches[1][1, block, 0, 0, 0] += 1.0  # V of layer 1, after the checksums
+    decode.prefetch(prefill.previews[0])
+    free = decode.engine.pool.num_available + 6
+    with pytest.raises(ChecksumMismatchError, match=r"pulled blocks \[2\]"):
+        decode.import_(desc)
+    assert decode.verified_at_import == []  # caught by the share the prefetch summed
+    assert decode.engine.reserved == {} and decode.engine.pool.num_available == free
+    decode.engine.check_integrity()

@@ -7,11 +7,15 @@ the contract written in decode_worker.proto, without an engine:
   its num_cached_tokens and block set are whatever the test sets. PrefillStream
   sends that token first (with FINISH_REASON_LENGTH when it is the only one to
   generate), then the same response; `hold_result` holds the response back and
-  `fail_after_first` fails the stream between the two (the first token is out).
+  `fail_after_first` fails the stream between the two (the first token is out);
+  `send_preview` sends a handoff_started preview first (layer-wise streaming), and
+  `fail_after_preview` fails the stream right after it.
 * Decode with a handoff echoes the handoff's first token as the first
   token of its first chunk, then continues `token + 1, token + 2, ...`;
   without a handoff it "prefills" itself and starts at
   `first_token_of(prompt)`. One token per chunk; the last chunk says LENGTH.
+* Prefetch records the preview's request id in `prefetched` (and `events`), after
+  `prefetch_delay_s`, and answers `prefetch_accepts`.
 * Abort ends a running decode with FINISH_REASON_ABORT and is recorded.
 * Failures are injected per call (`fail_with`); `hold` makes a call wait
   (for cancellation tests).
@@ -55,6 +59,8 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         """PrefillStream: wait for it between the first token and the response."""
         self.fail_after_first: list[grpc.StatusCode] = []
         """PrefillStream: fail with these after the first token, instead of sending the response."""
+        self.send_preview = False
+        self.fail_after_preview: list[grpc.StatusCode] = []
         self.num_cached_tokens = 0
         self.lease_s = 30.0
         self.block_set = prefill_worker_pb2.BlockSet()
@@ -78,6 +84,12 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             await self.hold.wait()
         response = self._response(request)
         handoff = response.handoff
+        if self.send_preview:
+            preview = handoff_pb2.HandoffDescriptor(request_id=request.request_id, num_tokens=len(request.token_ids),
+                                                    progress_slot=0)  # fmt: skip
+            yield prefill_worker_pb2.PrefillEvent(handoff_started=preview)
+            if self.fail_after_preview:
+                await context.abort(self.fail_after_preview.pop(0), f"injected failure after the preview on {self.worker_id}")
         first = prefill_worker_pb2.PrefillFirstToken(token_id=handoff.first_token_id, finish_reason=response.finish_reason)
         if handoff.HasField("first_token_logprob"):
             first.logprob = handoff.first_token_logprob
@@ -129,9 +141,22 @@ class DecodeDouble(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.block_set_source = None
         self.num_block_set_calls = 0
         self._abort_events: dict[str, asyncio.Event] = {}
+        self.prefetched: list[str] = []
+        self.prefetch_delay_s = 0.0
+        self.prefetch_accepts = True
+        self.events: list[tuple[str, str]] = []
+        """(method, request id) in the order calls completed (Prefetch) or began (Decode)."""
+
+    async def Prefetch(self, request, context):
+        await asyncio.sleep(self.prefetch_delay_s)
+        self.prefetched.append(request.request_id)
+        self.events.append(("Prefetch", request.request_id))
+        return decode_worker_pb2.PrefetchResponse(accepted=self.prefetch_accepts,
+                                                  reason="" if self.prefetch_accepts else "declined by the double")
 
     async def Decode(self, request, context):
         self.requests.append(request)
+        self.events.append(("Decode", request.request_id))
         if self.fail_with:
             await context.abort(self.fail_with.pop(0), f"injected failure on {self.worker_id}")
         aborted = self._abort_events.setdefault(request.request_id, asyncio.Event())

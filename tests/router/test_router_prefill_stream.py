@@ -98,3 +98,31 @@ def test_streamed_prefill_timing_takes_the_publication_off_the_ttft_path():
                     "prefill.emit": 0.5, "router.first_token": 0.5}  # fmt: skip
     assert sum(ttft.values()) == pytest.approx(1 + 45 + 0.5)  # route + call to the first token + relay
     assert "handoff.publish" in {p.name for p in out if not p.is_ttft}
+
+
+async def test_a_handoff_preview_reaches_the_decode_workers_prefetch_before_decode():
+    """Layer-wise streaming: the preview goes to the chosen decode worker's Prefetch at once, and
+    Decode (with the full handoff) waits for that call, so the worker sees them in that order."""
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    p0.send_preview = True
+    d0.prefetch_delay_s = 0.3  # slower than the rest of the prefill: Decode must still come after it
+    async with serving(p0, d0) as endpoints, router(endpoints) as (server, stub):
+        chunks = await collect(stub, request("r1"))
+        assert d0.events == [("Prefetch", "r1"), ("Decode", "r1")]
+        assert d0.requests[0].handoff.first_token_id == first_token_of(PROMPT)  # the full handoff, not the preview
+        assert server.metrics.prefetches.labels("accepted")._value.get() == 1
+    assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
+
+
+async def test_a_prefill_failing_after_its_preview_is_retried_and_the_decode_worker_still_serves():
+    p0, p1, d0 = PrefillDouble("p0"), PrefillDouble("p1"), DecodeDouble("d0")
+    for double in (p0, p1):
+        double.send_preview = True
+    failing = [grpc.StatusCode.UNAVAILABLE]
+    p0.fail_after_preview = p1.fail_after_preview = failing  # shared: only the first attempt fails
+    d0.prefetch_accepts = False  # a declined prefetch changes nothing for the client
+    async with serving(p0, p1, d0) as endpoints, router(endpoints) as (_, stub):
+        chunks = await collect(stub, request("r1"))
+    assert len(p0.requests) + len(p1.requests) == 2  # failed before the first token: retried
+    assert d0.prefetched == ["r1", "r1"] and [e for e, _ in d0.events][-1] == "Decode"
+    assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
