@@ -80,8 +80,8 @@ class LayerPublisher:
         block_size = self.engine.block_size
         for chunk in out.chunks:
             req = chunk.request
-            if chunk.start + chunk.num_tokens != req.prompt_len or req.output_token_ids:
-                continue  # not the prompt's last chunk (or already generating: not a handoff)
+            if chunk.start + chunk.num_tokens != req.prompt_len or req.output_token_ids or req.max_new_tokens <= 1:
+                continue  # not the prompt's last chunk, or no handoff to come (generating; one token only)
             try:
                 slot = board.open(req.request_id)
             except RuntimeError:  # board full: this handoff is published without streaming

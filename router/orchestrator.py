@@ -212,6 +212,8 @@ class Orchestrator:
             run.num_cached_tokens = result.num_cached_tokens
             run.num_completion_tokens = 1
             if result.finish_reason is not None:
+                if run.prefetch is not None:  # a preview went out, but there is nothing to hand off
+                    self._abort_prefetch(run)
                 yield self._last(run, Tokens() if first_sent else result.first, result.finish_reason)
                 return
             if not first_sent:  # a reply without a first-token event
@@ -225,6 +227,12 @@ class Orchestrator:
     # ---------------------------------------------------------------- helpers
     def _last(self, run: RequestRun, tokens: Tokens, finish_reason: FinishReason) -> OutputChunk:
         return run.last_chunk(tokens, finish_reason, time.monotonic())
+
+    def _abort_prefetch(self, run: RequestRun) -> None:
+        """Free the blocks a decode worker reserved for a preview whose handoff never came."""
+        worker = run.touched.pop(run.decode_worker_id, None)
+        if worker is not None:
+            self._aborts.send(worker, run.request.request_id)
 
     def _abort_workers(self, run: RequestRun) -> None:
         self._aborts.send_all(run.touched.values(), run.request.request_id)

@@ -126,3 +126,13 @@ async def test_a_prefill_failing_after_its_preview_is_retried_and_the_decode_wor
     assert len(p0.requests) + len(p1.requests) == 2  # failed before the first token: retried
     assert d0.prefetched == ["r1", "r1"] and [e for e, _ in d0.events][-1] == "Decode"
     assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
+
+
+async def test_a_preview_whose_request_ends_at_its_first_token_frees_the_decode_workers_prefetch():
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    p0.send_preview = True  # e.g. the first token was a stop token: no handoff after all
+    async with serving(p0, d0) as endpoints, router(endpoints) as (_, stub):
+        chunks = await collect(stub, request("r1", num_tokens=1))
+        await eventually(lambda: d0.aborted == ["r1"])  # its reserved blocks go back at once
+    assert d0.prefetched == ["r1"] and d0.requests == []
+    assert tokens_of(chunks) == [first_token_of(PROMPT)]
