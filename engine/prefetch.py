@@ -13,8 +13,10 @@
         either way the block checksums are verified as for any import; the prefetch thread has
         already summed this rank's share layer by layer as they arrived, so only the comparison
         is left (unless the plan was pulled again)
-    Abort, or the preview's lease deadline passing (rank 0's clock, sent as a "drop_prefetch"
-    command): cancel the thread, wait for it, give the blocks back. Nothing stays reserved.
+    Abort, or a lease's time (the preview's lease length) passing without a new layer — the prefill
+    may compute for longer than a lease, as long as it makes progress — (rank 0's clock, sent as a
+    "drop_prefetch" command): cancel the thread, wait for it, give the blocks back. Nothing stays
+    reserved.
 
 Pulls run on a background thread per rank, off the engine thread, so the decode steps of other
 requests go on while a prefill is still computing. A pull transport serves one caller at a time
@@ -48,6 +50,8 @@ PREFETCH_MAX_POLL_S. It may wait through a whole prefill, and a thread waking ev
 microseconds takes a core from a prefill that shares the host (measured on a 2-core machine: the
 prefill's OpenMP regions stall on the preempted thread, first token +30%). The last layer is at
 most ~20 ms late, while the prefill still samples, checksums and publishes."""
+PREFETCH_MAX_S = 3600.0
+"""A prefetch's thread gives up after this long in all, progress or not (a bound, not a lease)."""
 JOIN_TIMEOUT_S = 10.0
 """How long dropping a prefetch waits for its thread (cancelled between pulls) to stop."""
 
@@ -77,8 +81,10 @@ class Prefetch:
 
     preview: HandoffDescriptor
     plan: TransferPlan
-    deadline: float
-    """`time.monotonic()` at the preview's lease deadline (rank 0's decides expiry)."""
+    lease_s: float
+    """The preview's lease length: the prefetch expires this long after its last progress."""
+    last_progress: float = field(default_factory=time.monotonic)
+    """`time.monotonic()` of its start or last layer pulled (rank 0's decides expiry)."""
     block_ids: list[int] = field(default_factory=list)
     """The request's block table here (prefix-cache hits, then the reserved blocks)."""
     first_block: int = 0
@@ -150,7 +156,7 @@ class Prefetches:
             engine.unreserve(request_id)
             raise
         left_s = max(0.0, preview.lease_deadline_unix_ms / 1000 - time.time())
-        entry = Prefetch(preview, plan, time.monotonic() + left_s, block_ids, hits, num_layers=len(engine.kv_caches))
+        entry = Prefetch(preview, plan, left_s, block_ids=block_ids, first_block=hits, num_layers=len(engine.kv_caches))
         self._entries[request_id] = entry
         if not plan.ops_for_dst(engine.ps.rank):
             entry.outcome = TransferStats(0, 0.0, 0)
@@ -170,17 +176,19 @@ class Prefetches:
         if is_cpu:
             entry.partial = torch.zeros(len(pulled_blocks), 2, dtype=torch.int64)
 
-        def summed(layers: list[int]) -> None:  # while later layers are still being computed
-            entry.partial += partial_block_checksums(kv, layout, rank, pulled_blocks, layers)
-            entry.partial %= PRIME
-            entry.checked_layers.update(layers)
+        def arrived(layers: list[int]) -> None:  # while later layers are still being computed
+            entry.last_progress = time.monotonic()
+            if is_cpu:
+                entry.partial += partial_block_checksums(kv, layout, rank, pulled_blocks, layers)
+                entry.partial %= PRIME
+                entry.checked_layers.update(layers)
 
         try:
             with torch.inference_mode():
                 entry.outcome = streamed_pull(
-                    self.transport, entry.plan, rank, remote, kv, spec, timeout_s=timeout_s, poll_s=PREFETCH_POLL_S,
-                    max_poll_s=PREFETCH_MAX_POLL_S,
-                    verify=False, cancel=entry.cancel, on_layers=summed if is_cpu else None,
+                    self.transport, entry.plan, rank, remote, kv, spec, timeout_s=PREFETCH_MAX_S,
+                    poll_s=PREFETCH_POLL_S, max_poll_s=PREFETCH_MAX_POLL_S, verify=False, cancel=entry.cancel,
+                    on_layers=arrived, stall_timeout_s=timeout_s,
                 )  # fmt: skip
         except BaseException as exc:  # read by `Prefetch.wait` on the engine thread
             entry.outcome = exc
@@ -231,9 +239,9 @@ class Prefetches:
         self._stragglers = still
 
     def expired(self, now: float | None = None) -> list[str]:
-        """Request ids whose preview lease has run out (rank 0 decides; see the module doc)."""
+        """Request ids without progress for a lease's time (rank 0 decides; see the module doc)."""
         now = time.monotonic() if now is None else now
-        return [rid for rid, entry in self._entries.items() if entry.deadline <= now]
+        return [rid for rid, entry in self._entries.items() if entry.last_progress + entry.lease_s <= now]
 
     def transfer_step(self, entry: Prefetch, fallback: TransferStep, timeout_s: float) -> TransferStep:
         """The import's transfer step for a taken prefetch: wait for its thread; pull afresh from

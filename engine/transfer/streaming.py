@@ -78,11 +78,13 @@ def streamed_pull(
     verify: bool = True,
     cancel: threading.Event | None = None,
     on_layers: Callable[[list[int]], None] | None = None,
+    stall_timeout_s: float | None = None,
 ) -> TransferStats:
     """Pull `dst_rank`'s ops of `plan` layer by layer as the sources' boards show them ready.
 
     Blocks until every layer is in (and verified against its units when `verify` and the whole
-    request is pulled); raises TransferTimeout naming the layers still missing at the deadline,
+    request is pulled); raises TransferTimeout naming the layers still missing at the deadline
+    (`timeout_s` in all, or `stall_timeout_s` without a new layer, whichever comes first),
     UnitChecksumError for a layer that arrived wrong, TransferError once `cancel` is set (checked
     between pulls). A poll that finds nothing new doubles the wait before the next, up to
     `max_poll_s` (default `poll_s`: no backoff); progress resets it. `on_layers(layers)` is told the destination (local) layers every op of this
@@ -90,6 +92,7 @@ def streamed_pull(
     """
     start = time.perf_counter()
     deadline = time.monotonic() + timeout_s
+    stalled_at = time.monotonic() + (stall_timeout_s if stall_timeout_s is not None else timeout_s)
     ops = plan.ops_for_dst(dst_rank)
     sources = needed_sources(plan, dst_rank, remote)
     shapes = {s: board_shape(plan, s) for s in sources}
@@ -111,16 +114,19 @@ def streamed_pull(
                 batch.append(layer_slice(op, pulled[i], upto))
                 pulled[i] = upto
         if not batch:
-            if time.monotonic() > deadline:
+            if time.monotonic() > min(deadline, stalled_at):
                 waiting = sorted({op.layer_start + done for done, op in zip(pulled, ops, strict=True)
                                   if done < op.num_layers})
-                raise TransferTimeout(f"layer-wise pull: layers from {waiting} not ready after {timeout_s:.1f}s")
+                raise TransferTimeout(f"layer-wise pull: layers from {waiting} not ready in time "
+                                      f"({timeout_s:.1f}s in all, {stall_timeout_s}s without progress)")
             time.sleep(wait_s)
             wait_s = min(2 * wait_s, max_poll_s or poll_s)
             continue
         wait_s = poll_s
+        if stall_timeout_s is not None:
+            stalled_at = time.monotonic() + stall_timeout_s
         stats = transport.pull(replace(plan, ops=tuple(batch)), dst_rank, remote, kv_tensors,
-                               max(0.001, deadline - time.monotonic()))
+                               max(0.001, min(deadline, stalled_at) - time.monotonic()))
         num_bytes += stats.num_bytes
         num_regions += stats.num_regions
         if check:

@@ -26,12 +26,13 @@ PROMPT = list(range(10, 31))  # 21 tokens: 6 blocks
 class Prefill:
     """A prefill engine whose forward pass publishes a preview, then one layer at a time."""
 
-    def __init__(self, ckpt, layer_delay_s: float = 0.0):
-        self.engine = LLM(str(ckpt), role="prefill", layerwise=True, **OPTIONS).engine
+    def __init__(self, ckpt, layer_delay_s: float = 0.0, **options):
+        self.engine = LLM(str(ckpt), role="prefill", layerwise=True, **(OPTIONS | options)).engine
         self.transport = InProcTransport()
         self.endpoints = {0: RankEndpoint(0, "local", self.transport.expose(self.engine.kv_caches))}
         self.previews = []
         self.on_preview = None
+        self.on_layer = None
         self.layers_marked = []
         publisher = LayerPublisher(self.engine, lambda: self.transport.board, self._started)
         delay = layer_delay_s
@@ -46,6 +47,8 @@ class Prefill:
                     marks(i)
                     self.layers_marked.append((i, time.monotonic()))
                     time.sleep(delay)
+                    if self.on_layer is not None:
+                        self.on_layer(i)
 
                 return layer_written
 
@@ -227,4 +230,20 @@ def test_a_byte_corrupted_before_the_prefetch_pulled_it_is_caught(llama_ckpt):
         decode.import_(desc)
     assert decode.verified_at_import == []  # caught by the share the prefetch summed
     assert decode.engine.reserved == {} and decode.engine.pool.num_available == free
+    decode.engine.check_integrity()
+
+
+def test_a_prefill_longer_than_the_lease_keeps_its_prefetch_while_layers_arrive(llama_ckpt, expected):
+    """The lease bounds a prefetch's time *without progress*: a slow prefill (here 4 layers x 0.3 s
+    against a 0.4 s lease) keeps it as long as layers come, and the import still uses it."""
+    prefill, decode = Prefill(llama_ckpt, layer_delay_s=0.3, handoff_lease_s=0.4), Decode(llama_ckpt)
+    expirations = []
+    prefill.on_preview = decode.prefetch
+    prefill.on_layer = lambda i: expirations.extend(decode.hooks["housekeeping"]())
+    desc = prefill.run("r", PROMPT)
+    assert prefill.layers_marked[-1][1] - prefill.layers_marked[0][1] > 0.4  # longer than the lease
+    assert expirations == []
+    outcome = decode.import_(desc)
+    assert outcome.prefetched and decode.verified_at_import == []
+    assert decode.finish() == expected
     decode.engine.check_integrity()
