@@ -4,6 +4,7 @@ prefetches from that preview on a background thread (engine/prefetch.py), and th
 full descriptor uses the prefetched blocks — same tokens as aggregated serving, nothing leaked
 on abort, expiry or a preview that does not match its handoff."""
 
+import dataclasses
 import threading
 import time
 
@@ -12,8 +13,13 @@ import pytest
 from splitserve import LLM, SamplingParams
 from splitserve.decode_worker.hooks import decode_hooks
 from splitserve.engine import handoff
-from splitserve.engine.handoff import RankEndpoint, build_descriptor, build_preview, group_block_checksums
-from splitserve.engine.handoff import ChecksumMismatchError
+from splitserve.engine.handoff import (
+    ChecksumMismatchError,
+    RankEndpoint,
+    build_descriptor,
+    build_preview,
+    group_block_checksums,
+)
 from splitserve.engine.handoff_layerwise import LayerPublisher, close_released, publish_layers
 from splitserve.engine.serving import Command
 from splitserve.engine.transfer.inproc import InProcTransport
@@ -162,8 +168,6 @@ def test_abort_and_expiry_give_the_reserved_blocks_back(llama_ckpt):
 
     short = build_preview(prefill.engine, "b", prefill.transport.board.open("b"), block_ids, len(PROMPT),
                           prefill.endpoints, "inproc")
-    import dataclasses
-
     short = dataclasses.replace(short, lease_deadline_unix_ms=int((time.time() + 0.3) * 1000))
     decode.prefetch(short)
     assert decode.hooks["housekeeping"]() == []
@@ -179,8 +183,6 @@ def test_abort_and_expiry_give_the_reserved_blocks_back(llama_ckpt):
 def test_a_preview_that_does_not_match_its_handoff_is_dropped_and_pulled_afresh(llama_ckpt, expected):
     prefill, decode = Prefill(llama_ckpt), Decode(llama_ckpt)
     desc = prefill.run("r", PROMPT)
-    import dataclasses
-
     stale = dataclasses.replace(desc, block_checksums=(), first_token_id=0,
                                 rank_block_ids={0: tuple(b + 1 for b in desc.rank_block_ids[0])})
     decode.prefetch(stale)
@@ -193,8 +195,6 @@ def test_a_preview_that_does_not_match_its_handoff_is_dropped_and_pulled_afresh(
 def test_a_failed_prefetch_falls_back_to_a_pull_from_the_pinned_copy(llama_ckpt, expected):
     prefill, decode = Prefill(llama_ckpt), Decode(llama_ckpt)
     desc = prefill.run("r", PROMPT)
-    import dataclasses
-
     wrong_slot = dataclasses.replace(desc, block_checksums=(), first_token_id=0, progress_slot=desc.progress_slot + 1,
                                      lease_deadline_unix_ms=int((time.time() + 0.2) * 1000))  # times out fast
     decode.prefetch(wrong_slot)
