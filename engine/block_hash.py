@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -32,9 +34,32 @@ def hash_blocks(
     block_size: int,
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of every full block of `token_ids` (the tail is ignored)."""
+    """Chained hashes of every full block of `token_ids` (the tail is ignored).
+
+    The same bytes as `hash_block` per block, packed once for the whole span: an 8k-token prompt
+    hashes in a fraction of the per-block cost (the router hashes every prompt, a decode worker
+    every imported one)."""
+    num_blocks = len(token_ids) // block_size
+    data = pack_tokens(token_ids[: num_blocks * block_size])
+    step = 4 * block_size
     hashes: list[BlockHash] = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[start : start + block_size])
+    for offset in range(0, num_blocks * step, step):
+        digest = hashlib.blake2b(digest_size=8)
+        digest.update(parent if parent is not None else b"\x00" * 8)
+        digest.update(data[offset : offset + step])
+        parent = digest.digest()
         hashes.append(parent)
     return hashes
+
+
+def pack_tokens(token_ids: Sequence[int]) -> bytes:
+    """Little-endian uint32s of `token_ids`, as `hash_block` packs them."""
+    if _NATIVE_LE_U32:
+        try:
+            return array("I", token_ids).tobytes()
+        except (OverflowError, TypeError):  # let struct raise its own error for a bad id
+            pass
+    return struct.pack(f"<{len(token_ids)}I", *token_ids)
+
+
+_NATIVE_LE_U32 = sys.byteorder == "little" and array("I").itemsize == 4

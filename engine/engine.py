@@ -107,9 +107,12 @@ class Engine:
         if not prompt_token_ids:
             raise ValueError("prompt is empty")
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
+        # Plain ints within range (the common case) are checked at C speed; the listing is for the error.
+        is_plain = set(map(type, prompt_token_ids)) == {int}
+        if not is_plain or min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:  # (an int subclass within range other than bool is still accepted)
+                raise ValueError(f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})")
         prompt_len = len(prompt_token_ids)
         if prompt_len >= self.max_sequence_length:
             raise ValueError(

@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from splitserve.engine.block_hash import BlockHash, hash_block
+from splitserve.engine.block_hash import BlockHash, hash_blocks
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -90,11 +90,11 @@ class Request:
 
     def extend_block_hashes(self, block_size: int) -> None:
         """Hash every full block of `all_token_ids` not hashed yet."""
-        num_tokens = self.num_tokens
-        while (len(self.block_hashes) + 1) * block_size <= num_tokens:
-            start = len(self.block_hashes) * block_size
+        start = len(self.block_hashes) * block_size
+        end = self.num_tokens // block_size * block_size
+        if end > start:
             parent = self.block_hashes[-1] if self.block_hashes else None
-            self.block_hashes.append(hash_block(parent, self.token_slice(start, start + block_size)))
+            self.block_hashes.extend(hash_blocks(self.token_slice(start, end), block_size, parent))
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,9 @@ class DecodeRelay:
         prefill_worker = self._view.worker(run.prefill_worker_id) if run.prefill_worker_id else None
         if run.prefetch is not None:  # the decode worker must see the prefetch before the import
             await asyncio.wait([run.prefetch], timeout=self._config.control_timeout_s)
+            if run.is_aborted:  # aborted meanwhile: its Abort may have reached the decode worker already
+                yield _last(run, Tokens(), FinishReason.ABORT)
+                return
         failed: set[str] = set()
         while True:
             worker = self._view.worker(run.decode_worker_id)

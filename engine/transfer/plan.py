@@ -173,7 +173,8 @@ def _check_block_ids(
         )
     lengths = {rank: len(ids) for rank, ids in block_ids.items()}
     for rank, ids in block_ids.items():
-        if any(not isinstance(b, numbers.Integral) or isinstance(b, bool) or b < 0 for b in ids):
+        is_plain = set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0)  # at C speed, the usual case
+        if not is_plain and any(not isinstance(b, numbers.Integral) or isinstance(b, bool) or b < 0 for b in ids):
             raise ValueError(f"{side}_block_ids[{rank}] must be non-negative ints, got {list(ids)!r}")
         if len(set(ids)) != len(ids):
             raise ValueError(f"{side}_block_ids[{rank}] repeats a block id: {list(ids)!r}")

@@ -21,6 +21,31 @@ def test_chained_hashes_identify_the_whole_prefix():
     assert a[1] == hash_block(a[0], [3, 4])
 
 
+def test_packed_hashing_gives_the_per_block_chain():
+    """hash_blocks packs the whole span once; every hash must equal the per-block definition,
+    also for a request whose blocks straddle prompt and output tokens, hashed incrementally."""
+    import random
+
+    from splitserve.engine.request import Request
+    from splitserve.engine.sampling_params import SamplingParams
+
+    rng = random.Random(3)
+    tokens = [rng.randrange(0, 2**32) for _ in range(16 * 37 + 5)]
+    chain, parent = [], None
+    for start in range(0, 16 * 37, 16):
+        parent = hash_block(parent, tokens[start : start + 16])
+        chain.append(parent)
+    assert hash_blocks(tokens, 16) == chain
+    assert hash_blocks(tokens[32:], 16, parent=chain[1]) == chain[2:]
+    req = Request("r", tokens[:100], SamplingParams(), (), 500)
+    req.extend_block_hashes(16)
+    req.output_token_ids.extend(tokens[100:300])
+    req.extend_block_hashes(16)
+    assert req.block_hashes == chain[: 300 // 16]
+    with pytest.raises(Exception):  # noqa: B017 - struct.error, as before: ids are uint32
+        hash_blocks([-1] * 16, 16)
+
+
 def test_allocate_free_exact_state():
     pool = BlockPool(4, "lru")
     assert pool.allocate(3) == [0, 1, 2]

@@ -136,3 +136,19 @@ async def test_a_preview_whose_request_ends_at_its_first_token_frees_the_decode_
         await eventually(lambda: d0.aborted == ["r1"])  # its reserved blocks go back at once
     assert d0.prefetched == ["r1"] and d0.requests == []
     assert tokens_of(chunks) == [first_token_of(PROMPT)]
+
+
+async def test_an_abort_while_decode_waits_for_the_prefetch_ends_the_stream_without_a_decode_call():
+    from splitserve.proto.v1 import common_pb2
+
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
+    p0.send_preview = True
+    d0.prefetch_delay_s = 1.0  # the relay is waiting for it when the Abort comes
+    async with serving(p0, d0) as endpoints, router(endpoints) as (_, stub):
+        call = stub.Generate(request("r1"))
+        await call.read()  # the first token
+        reply = await stub.Abort(common_pb2.AbortRequest(request_id="r1"))
+        rest = await collect_rest(call)
+        await eventually(lambda: "r1" in d0.aborted)
+    assert reply.was_found and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert d0.requests == []  # no Decode after the Abort: nothing would have stopped it
