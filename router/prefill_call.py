@@ -172,6 +172,8 @@ class PrefillCaller:
                 log.info("prefetch of %s on %s failed: %s", run.request.request_id, worker.worker_id, e)
                 return
             self.metrics.prefetches.labels("accepted" if accepted else "declined").inc()
+            if accepted and run.is_aborted:  # taken up after the request's Abort reached the worker
+                self._aborts.send(worker, run.request.request_id)
             if not accepted:
                 log.info("prefetch of %s declined by %s: %s", run.request.request_id, worker.worker_id, reason)
 

@@ -149,6 +149,7 @@ async def test_an_abort_while_decode_waits_for_the_prefetch_ends_the_stream_with
         await call.read()  # the first token
         reply = await stub.Abort(common_pb2.AbortRequest(request_id="r1"))
         rest = await collect_rest(call)
-        await eventually(lambda: "r1" in d0.aborted)
+        await eventually(lambda: d0.aborted.count("r1") == 2)  # again once the late Prefetch was taken up
+    assert d0.prefetched == ["r1"] and d0.events[-1] == ("Prefetch", "r1")
     assert reply.was_found and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     assert d0.requests == []  # no Decode after the Abort: nothing would have stopped it
