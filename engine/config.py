@@ -117,7 +117,7 @@ class ParallelConfig:
 class TransferConfig:
     """KV handoff between a prefill and a decode worker (engine/handoff.py, engine/transfer/)."""
 
-    layerwise: bool = True
+    layerwise: bool = False
     """Layer-wise streaming. Prefill role: when the step completing a prompt starts, publish a
     preview of its handoff (PrefillEvent.handoff_started) and mark each layer's readiness on the
     transport's progress board as the forward pass writes it (engine/handoff_layerwise.py).
@@ -126,11 +126,12 @@ class TransferConfig:
     a descriptor naming a slot without a prefetch is pulled layer by layer too. Needs a transport
     with a board (nixl, shm, inproc); torch_dist and cuda_ipc ignore it.
 
-    On by default: with prefill and decode on separate compute, as disaggregation places them,
-    the pull and its verification finish during prefill — `benchmarks/layerwise_served.py
-    --split-cores`: decode ready 8% / 2.7% sooner at 512 / 2048 tokens, import 45 → 0.8 ms and
-    267 → 1.7 ms. Off when both pools share CPU cores: the overlapped pull and checksums then
-    take CPU from the prefill itself (same benchmark without --split-cores: 5-8% later)."""
+    Measured faster with prefill and decode on separate compute — `benchmarks/layerwise_served.py
+    --split-cores`: decode ready 2-10% sooner, import 57 -> 2.5 ms and 293 -> 3.3 ms (shm) — and
+    not when both pools share CPU cores (0-4% later). Still off by default: with it on, the
+    hung-decode-worker fault test (`tests/reliability/faults/test_worker_faults.py::
+    test_hung_decode_worker_hits_the_first_chunk_deadline`) timed out in 3 of 4 runs here, and the
+    cause is not found yet (benchmarks/RESULTS.md, README "Known gaps")."""
     num_progress_slots: int = 64
     """Streamed handoffs one prefill rank can have in flight (rows of its progress board); a
     handoff beyond that is published without streaming."""
