@@ -70,10 +70,14 @@ class DecodeRelay:
         request, handoff = start_from or run.request, prefill.handoff if prefill else None
         prefill_worker = self._view.worker(run.prefill_worker_id) if run.prefill_worker_id else None
         if run.prefetch is not None:  # the decode worker must see the prefetch before the import
-            await asyncio.wait([run.prefetch], timeout=self._config.control_timeout_s)
+            done, _ = await asyncio.wait([run.prefetch], timeout=self._config.control_timeout_s)
+            if not done and run.prefetch_failure is None:
+                run.prefetch_failure = WorkerCallError(run.decode_worker_id, "Prefetch", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                       f"no answer within {self._config.control_timeout_s:g} s")  # fmt: skip
             if run.is_aborted:  # aborted meanwhile: its Abort may have reached the decode worker already
                 yield _last(run, Tokens(), FinishReason.ABORT)
                 return
+        unanswered = run.prefetch_failure  # the Prefetch to the chosen worker got no answer
         failed: set[str] = set()
         while True:
             worker = self._view.worker(run.decode_worker_id)
@@ -89,6 +93,8 @@ class DecodeRelay:
                 if worker is None:
                     raise WorkerCallError(run.decode_worker_id, "Decode", grpc.StatusCode.UNAVAILABLE, "left the topology")
                 run.touched[worker.worker_id] = worker
+                if unanswered is not None and unanswered.worker_id == worker.worker_id:
+                    raise unanswered
                 if handoff is None:
                     self._view.record_routed(worker.worker_id, run.hashes)
                 started = time.monotonic()
@@ -155,9 +161,7 @@ class DecodeRelay:
                         return
                     request, handoff = continuation(run.request, sent), None
                     run.reason += f", resumed after {len(sent.token_ids)} tokens on the next decode worker"
-                elif handoff is not None and (
-                    has_chunk or not is_handoff_reusable(e.code, prefill.lease_deadline_unix_ms, time.time() * 1e3)
-                ):
+                elif handoff is not None and (has_chunk or not self._is_reusable(e, unanswered, prefill)):
                     if request.sampling_params.num_tokens_to_generate <= 1:
                         yield _last(run, Tokens(), FinishReason.LENGTH)
                         return
@@ -165,6 +169,13 @@ class DecodeRelay:
                     run.reason += ", recomputing on the next decode worker"
             finally:
                 span.end()
+
+    @staticmethod
+    def _is_reusable(error: WorkerCallError, unanswered: WorkerCallError | None, prefill: PrefillResult) -> bool:
+        """May the next worker pull the pinned copy? A failed Prefetch only read it (the pin is released
+        on a Decode's acknowledgement), so it is reusable while its lease lasts, whatever the code."""
+        code = grpc.StatusCode.UNAVAILABLE if error is unanswered else error.code
+        return is_handoff_reusable(code, prefill.lease_deadline_unix_ms, time.time() * 1e3)
 
     def _continuation(self, run: RequestRun, prefill: PrefillResult) -> GenerateRequest:
         """Recompute on the next decode worker: the pinned copy will not be pulled, so unpin it."""

@@ -168,8 +168,10 @@ class PrefillCaller:
         async def call() -> None:
             try:
                 accepted, reason = await self._client.prefetch(worker, run.request, preview, self._config.control_timeout_s)
-            except WorkerCallError as e:  # advisory: Decode pulls as usual
+            except WorkerCallError as e:  # advisory, but a worker that does not answer would not decode either
                 log.info("prefetch of %s on %s failed: %s", run.request.request_id, worker.worker_id, e)
+                if e.code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    run.prefetch_failure = e
                 return
             self.metrics.prefetches.labels("accepted" if accepted else "declined").inc()
             if accepted and run.is_aborted:  # taken up after the request's Abort reached the worker

@@ -20,6 +20,7 @@ from splitserve.router.messages import (
     TimingSummary,
     Tokens,
     Usage,
+    WorkerCallError,
 )
 from splitserve.router.timing import RouterTimes, phases
 from splitserve.router.workers import WorkerEndpoint
@@ -72,6 +73,9 @@ class RequestRun:
     prefetch: asyncio.Task | None = None
     """Layer-wise streaming: the DecodeWorker.Prefetch call of the handoff's preview (prefill_call.py);
     Decode waits for it, so the decode worker sees the prefetch before the import."""
+    prefetch_failure: WorkerCallError | None = None
+    """That call failed for want of an answer (the worker hung or went away, not a refusal): the relay
+    counts it as the decode worker's failed attempt and goes elsewhere without calling Decode there."""
 
     def last_chunk(self, tokens: Tokens, finish_reason: FinishReason, now: float) -> OutputChunk:
         """The final chunk: `tokens` plus usage, routing and (if asked) timing summaries."""

@@ -9,6 +9,7 @@ current trace context (W3C traceparent) in its metadata.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Mapping
 
 import grpc
@@ -47,6 +48,19 @@ def _error(worker: WorkerEndpoint, method: str, e: grpc.aio.AioRpcError) -> Work
     return WorkerCallError(worker.worker_id, method, e.code(), e.details() or "")
 
 
+def _is_cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _closed(worker: WorkerEndpoint, method: str) -> WorkerCallError:
+    """For a CancelledError out of a call: gRPC raises one when the call's channel closes under it (or
+    something cancelled the call). Unless the awaiting task itself is being cancelled (then the
+    CancelledError must go on), it is the worker's failure, retried like one, not a cancelled request."""
+    return WorkerCallError(worker.worker_id, method, grpc.StatusCode.UNAVAILABLE, "the call was cancelled under us "
+                           "(its channel closed: the worker left the topology)")  # fmt: skip
+
+
 class DecodeCall:
     """A running DecodeWorker.Decode stream: iterate for outputs, `cancel()` to end it."""
 
@@ -60,6 +74,10 @@ class DecodeCall:
                 yield decode_output_from_proto(message)
         except grpc.aio.AioRpcError as e:
             raise _error(self._worker, "Decode", e) from e
+        except asyncio.CancelledError:
+            if _is_cancelling():
+                raise
+            raise _closed(self._worker, "Decode") from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -89,6 +107,10 @@ class PrefillStreamCall:
                     yield prefill_result_from_proto(message.response, first.first if first else None)
         except grpc.aio.AioRpcError as e:
             raise _error(self._worker, "PrefillStream", e) from e
+        except asyncio.CancelledError:
+            if _is_cancelling():
+                raise
+            raise _closed(self._worker, "PrefillStream") from None
         except ValueError as e:
             raise WorkerCallError(self._worker.worker_id, "PrefillStream", grpc.StatusCode.INTERNAL, str(e)) from e
         if not has_result:
@@ -103,8 +125,12 @@ class PrefillStreamCall:
 class GrpcWorkerClient:
     """Calls workers over gRPC (one event loop)."""
 
-    def __init__(self) -> None:
+    def __init__(self, departed_grace_s: float = 60.0) -> None:
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._departed: set[grpc.aio.Channel] = set()
+        self._departed_grace_s = departed_grace_s
+        """How long the calls still running on a worker that left the topology may go on (its etcd lease
+        may have lapsed for a moment while it kept serving) before its channel is closed under them."""
 
     def _channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:
@@ -142,6 +168,10 @@ class GrpcWorkerClient:
             reply = await stub.Prefetch(message, timeout=timeout_s, metadata=inject_metadata())
         except grpc.aio.AioRpcError as e:
             raise _error(worker, "Prefetch", e) from e
+        except asyncio.CancelledError:
+            if _is_cancelling():
+                raise
+            raise _closed(worker, "Prefetch") from None
         return reply.accepted, reply.reason
 
     async def abort(self, worker: WorkerEndpoint, request_id: str, timeout_s: float) -> bool:
@@ -158,6 +188,10 @@ class GrpcWorkerClient:
             )
         except grpc.aio.AioRpcError as e:
             raise _error(worker, "Abort", e) from e
+        except asyncio.CancelledError:
+            if _is_cancelling():
+                raise
+            raise _closed(worker, "Abort") from None
         return reply.was_found
 
     async def get_block_set(self, worker: WorkerEndpoint, timeout_s: float) -> BlockSetSnapshot:
@@ -171,15 +205,24 @@ class GrpcWorkerClient:
             reply = await stub.GetBlockSet(prefill_worker_pb2.GetBlockSetRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as e:
             raise _error(worker, "GetBlockSet", e) from e
+        except asyncio.CancelledError:
+            if _is_cancelling():
+                raise
+            raise _closed(worker, "GetBlockSet") from None
         return block_set_from_proto(reply)
 
     async def set_workers(self, workers: Mapping[str, WorkerEndpoint]) -> None:
         """Closes the channels of addresses no worker uses any more."""
         in_use = {worker.address for worker in workers.values()}
-        for address in [a for a in self._channels if a not in in_use]:
-            await self._channels.pop(address).close()
+        departed = [self._channels.pop(a) for a in list(self._channels) if a not in in_use]
+        self._departed.update(departed)
+        try:
+            await asyncio.gather(*(channel.close(self._departed_grace_s) for channel in departed))
+        finally:
+            self._departed.difference_update(departed)
 
     async def close(self) -> None:
-        for channel in self._channels.values():
+        for channel in [*self._channels.values(), *self._departed]:
             await channel.close()
         self._channels.clear()
+        self._departed.clear()

@@ -144,11 +144,13 @@ class DecodeDouble(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self.prefetched: list[str] = []
         self.prefetch_delay_s = 0.0
         self.prefetch_accepts = True
+        self.prefetch_hangs: list[float] = []
+        """Each Prefetch pops one and does not answer for that many seconds (shareable between doubles)."""
         self.events: list[tuple[str, str]] = []
         """(method, request id) in the order calls completed (Prefetch) or began (Decode)."""
 
     async def Prefetch(self, request, context):
-        await asyncio.sleep(self.prefetch_delay_s)
+        await asyncio.sleep(self.prefetch_hangs.pop(0) if self.prefetch_hangs else self.prefetch_delay_s)
         self.prefetched.append(request.request_id)
         self.events.append(("Prefetch", request.request_id))
         return decode_worker_pb2.PrefetchResponse(accepted=self.prefetch_accepts,

@@ -153,3 +153,20 @@ async def test_an_abort_while_decode_waits_for_the_prefetch_ends_the_stream_with
     assert d0.prefetched == ["r1"] and d0.events[-1] == ("Prefetch", "r1")
     assert reply.was_found and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
     assert d0.requests == []  # no Decode after the Abort: nothing would have stopped it
+
+
+async def test_a_decode_worker_that_does_not_answer_its_prefetch_is_skipped_and_the_handoff_reused():
+    """A hung decode worker shows itself at the Prefetch: the relay counts that as its failed attempt
+    and sends Decode elsewhere at once, with the same handoff (a prefetch only read the pinned copy)."""
+    p0, d0, d1 = PrefillDouble("p0"), DecodeDouble("d0"), DecodeDouble("d1")
+    p0.send_preview = True
+    d0.prefetch_hangs = d1.prefetch_hangs = [1.5]  # shared: whichever is chosen first hangs
+    async with serving(p0, d0, d1) as endpoints, router(endpoints, control_timeout_s=0.5) as (_, stub):
+        chunks = await collect(stub, request("r1"))
+        hung, served = (d0, d1) if d1.requests else (d1, d0)
+        await eventually(lambda: hung.aborted == ["r1"])  # it may have reserved blocks
+    assert hung.requests == [] and [r.request_id for r in served.requests] == ["r1"]
+    assert served.requests[0].HasField("handoff")  # pulled from the pinned copy, not recomputed
+    routing = chunks[-1].routing
+    assert routing.num_decode_attempts == 2 and f"decode on {hung.worker_id} failed (DEADLINE_EXCEEDED)" in routing.reason
+    assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
