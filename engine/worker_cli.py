@@ -25,11 +25,11 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--layerwise",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="layer-wise KV streaming (engine/config.py TransferConfig.layerwise): prefill previews each handoff and "
         "marks each layer on a progress board as its forward pass writes it; the decode worker prefetches layers "
         "meanwhile (nixl, shm; cuda_ipc and torch_dist ignore it). Faster when prefill and decode run on separate "
-        "compute, slower when they share CPU cores (benchmarks/RESULTS.md); off by default for now",
+        "compute (the default, on), slower when they share CPU cores: --no-layerwise there (benchmarks/RESULTS.md)",
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")

@@ -162,8 +162,8 @@ def test_prefill_stream_sends_the_first_token_then_the_unary_response(model_dir,
     faults = tmp_path / "faults"  # engine/fault_injection.py: read at every check, absent = no delay
     monkeypatch.setenv("SPLITSERVE_FAULT_DELAY_FILE", str(faults))
     with (
-        running_worker("prefill-worker", model_dir, *ENGINE_FLAGS) as pw,
-        running_worker("decode-worker", model_dir, *ENGINE_FLAGS) as dw,
+        running_worker("prefill-worker", model_dir, *ENGINE_FLAGS, "--no-layerwise") as pw,  # no preview event
+        running_worker("decode-worker", model_dir, *ENGINE_FLAGS, "--no-layerwise") as dw,
     ):
         unary, _ = disagg_generate(pw.address, dw.address, prompts, PARAMS)
         with grpc.insecure_channel(pw.address) as pc, grpc.insecure_channel(dw.address) as dc:
@@ -174,7 +174,7 @@ def test_prefill_stream_sends_the_first_token_then_the_unary_response(model_dir,
                 rid = f"s{i}"
                 request = prefill_worker_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling_params=sp)
                 events = list(prefill.PrefillStream(request, timeout=60))
-                assert [e.WhichOneof("event") for e in events] == ["first_token", "response"]  # no --layerwise
+                assert [e.WhichOneof("event") for e in events] == ["first_token", "response"]
                 first, response = events[0].first_token, events[1].response
                 assert first.token_id == ref.generated_tokens[0] == response.handoff.first_token_id
                 assert first.logprob == pytest.approx(ref.generated_log_probs[0], abs=1e-5)

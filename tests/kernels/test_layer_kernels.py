@@ -57,8 +57,11 @@ def test_rotary_qk_matches_reference_on_fused_views(heads, kv_heads, head_dim, d
     cos, sin = rope.cos_sin(torch.tensor([0, 1, 5, 9, 30, 31, 100], device=device), dtype)
     want_q, want_k = rotary_reference(q, cos, sin), rotary_reference(k, cos, sin)
     apply_rotary_qk(q, k, cos, sin)
-    if dtype == torch.float32:
+    if dtype == torch.float32 and q.device.type == "cpu":
         assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    elif dtype == torch.float32:  # the GPU compiler fuses x*cos - y*sin into an FMA: one rounding fewer
+        torch.testing.assert_close(q, want_q, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(k, want_k, rtol=1e-6, atol=1e-6)
     else:
         _close(q, want_q, dtype)
         _close(k, want_k, dtype)

@@ -58,7 +58,6 @@ async def test_64_sim_workers_requests_land_on_the_prefix_holder(router_etcd):
     async with running_control_plane(config) as cp:
         watcher = TopologyWatcher(cp.address)
         roles = ["prefill"] * half + ["decode"] * half
-        router_address = f"127.0.0.1:{distinct_free_ports(1)[0]}"
         ports = [0] * NUM_WORKERS  # each worker binds a kernel-chosen port and reports it (READY)
         hosts = [
             await SimHost.spawn(router_etcd.endpoint, keys.cluster, roles[i::NUM_HOSTS], ports[i::NUM_HOSTS])
@@ -73,6 +72,9 @@ async def test_64_sim_workers_requests_land_on_the_prefix_holder(router_etcd):
                 lambda t: len(t.workers) == NUM_WORKERS and not t.free_slot_ids(), 30
             )
             await wait_all(hosts, "all_ready", 30)
+            # Only now: a port picked before the 64 workers bound theirs could be taken by one, and
+            # gRPC's SO_REUSEPORT would let the router listen beside it (calls then hit the worker).
+            router_address = f"127.0.0.1:{distinct_free_ports(1)[0]}"
             router = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "splitserve", "router", "--control-plane", cp.address, "--listen", router_address,
                 "--policy", "longest_prefix", "--block-size", str(BLOCK), "--kv-events", "--log-level", "WARNING",
