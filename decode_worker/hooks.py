@@ -131,7 +131,8 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
             # Every rank gets here together (the importer votes). After a refused push or a checksum
             # mismatch the pair's stream is still in step; any other failure may leave it out of
             # step (a late send, a half-received buffer): start afresh with a new group.
-            if transfer is not None and not isinstance(exc, (ChecksumMismatchError, PushRefusedError)):
+            is_push = isinstance(transport, TorchDistTransport) and desc.transport_kind == "torch_dist"
+            if is_push and not isinstance(exc, (ChecksumMismatchError, PushRefusedError)):
                 transport.forget_source(desc)
             raise
         return ImportOutcome(reused, stats[0] if stats else None, started, time.monotonic(),

@@ -135,9 +135,6 @@ class Prefetches:
         """Dropped prefetches whose thread did not stop in time: their blocks stay reserved
         (under a tombstone key) until it does (`collect`)."""
 
-    def __contains__(self, request_id: str) -> bool:
-        return request_id in self._entries
-
     def start(self, request_id: str, token_ids: Sequence[int], preview: HandoffDescriptor) -> None:
         """Reserve the request's blocks and start pulling (every rank). Raises NoFreeBlocksError,
         ValueError (a bad preview) or TransferError; nothing stays reserved then."""
@@ -220,13 +217,18 @@ class Prefetches:
         if entry.thread is not None:
             entry.thread.join(JOIN_TIMEOUT_S)
             if entry.thread.is_alive():  # still inside one pull: its blocks stay held until it returns
-                log.error("prefetch of %s did not stop within %.0fs; its blocks stay reserved until it does",
-                          request_id, JOIN_TIMEOUT_S)  # fmt: skip
-                tombstone = f"{request_id}\x00dropped@{time.monotonic()}"
-                self.engine.reserved[tombstone] = self.engine.reserved.pop(request_id)
-                self._stragglers.append((tombstone, entry))
+                self._straggle(request_id, entry, self.engine.reserved.pop(request_id))
                 return
         self.engine.unreserve(request_id)
+
+    def _straggle(self, request_id: str, entry: Prefetch, held: tuple[list[int], int]) -> None:
+        """A thread that did not stop may still write `held`'s blocks: they stay reserved (counted by
+        the integrity check, under a tombstone key) until `collect` sees it stop."""
+        log.error("prefetch of %s did not stop within %.0fs; its blocks stay reserved until it does",
+                  request_id, JOIN_TIMEOUT_S)  # fmt: skip
+        tombstone = f"{request_id}\x00dropped@{time.monotonic()}"
+        self.engine.reserved[tombstone] = held
+        self._stragglers.append((tombstone, entry))
 
     def collect(self) -> None:
         """Free the blocks of dropped prefetches whose thread has stopped since."""
@@ -254,7 +256,11 @@ class Prefetches:
                 entry.cancel.set()
                 if entry.thread is not None:
                     entry.thread.join(JOIN_TIMEOUT_S)
-                    if entry.thread.is_alive():  # cannot write the blocks under a pull still running
+                    if entry.thread.is_alive():  # cannot write the blocks under a pull still running;
+                        # the failed import frees them, so the thread's own reference keeps them
+                        pulled = entry.block_ids[entry.first_block:]
+                        self.engine.pool.ref(pulled)
+                        self._straggle(entry.preview.request_id, entry, (pulled, 0))
                         raise
                 log.warning("prefetch of %s failed (%s); pulling it again", entry.preview.request_id, exc)
                 entry.partial = None  # the share summed so far is not of what is pulled now

@@ -247,3 +247,42 @@ def test_a_prefill_longer_than_the_lease_keeps_its_prefetch_while_layers_arrive(
     assert outcome.prefetched and decode.verified_at_import == []
     assert decode.finish() == expected
     decode.engine.check_integrity()
+
+
+def test_a_prefetch_stuck_in_a_pull_keeps_its_blocks_until_it_returns(llama_ckpt, monkeypatch):
+    """An import whose prefetch thread hangs inside one pull fails, and the blocks that thread may
+    still write are not handed out again until it returns (then they go back, nothing leaked)."""
+    from splitserve.engine import prefetch as prefetch_module
+    from splitserve.engine.transfer.transport import TransferError
+
+    prefill, decode = Prefill(llama_ckpt), Decode(llama_ckpt)
+    desc = prefill.run("s", PROMPT)
+    release, entered = threading.Event(), threading.Event()
+    real_pull = InProcTransport.pull
+
+    def hanging_pull(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("prefetch-"):
+            entered.set()
+            release.wait(30)
+        return real_pull(self, *args, **kwargs)
+
+    monkeypatch.setattr(InProcTransport, "pull", hanging_pull)
+    monkeypatch.setattr(prefetch_module, "JOIN_TIMEOUT_S", 0.2)
+    free = decode.engine.pool.num_available
+    decode.prefetch(dataclasses.replace(desc, block_checksums=(), first_token_id=0))
+    assert entered.wait(10)
+    held = list(decode.engine.reserved["s"][0])
+    with pytest.raises(TransferError, match="still pulling"):
+        decode.handlers["import"](decode.engine, Command("import", "s", (PROMPT, PARAMS, desc, 0.3, "")))
+    assert not decode.engine.has_request("s")
+    (tombstone,) = decode.engine.reserved  # the stuck thread's blocks, counted by the integrity check
+    assert decode.engine.reserved[tombstone][0] == held and decode.engine.pool.num_available == free - len(held)
+    assert all(decode.engine.pool.ref_count(b) == 1 for b in held)
+    decode.engine.check_integrity()
+    release.set()
+    deadline = time.monotonic() + 10
+    while decode.engine.reserved and time.monotonic() < deadline:
+        decode.hooks["after_step"](decode.engine, [])  # collect, as after every engine step
+        time.sleep(0.05)
+    assert decode.engine.reserved == {} and decode.engine.pool.num_available == free
+    decode.engine.check_integrity()
