@@ -139,7 +139,13 @@ def engine_fingerprint(engine) -> str:
     checkpoint, or a simulated engine's own (`--engine sim`, never a real one's)."""
     if getattr(engine, "is_simulated", False):
         return engine.fingerprint
-    return model_fingerprint(engine.model_path)
+    # Once per engine: it names the model as loaded, and hashing config.json on every publish and
+    # import cost ~0.2 ms of the host each on the H200 (benchmarks/RESULTS.md, 2026-12-02).
+    cached = getattr(engine, "_model_fingerprint", None)
+    if cached is None:
+        cached = model_fingerprint(engine.model_path)
+        engine._model_fingerprint = cached
+    return cached
 
 
 def model_fingerprint(model_dir: str) -> str:
@@ -281,7 +287,7 @@ def make_importer(
 
     def import_kv(block_ids: list[int], first_block: int) -> None:
         dst = engine_layout(engine)
-        if desc.model_fingerprint != model_fingerprint(engine.model_path):
+        if desc.model_fingerprint != engine_fingerprint(engine):
             raise TransferError("handoff comes from a different model (fingerprint mismatch)")
         n = len(desc.rank_block_ids[0])
         stage = HandoffStage.PLANNING

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from splitserve.engine.handoff import HandoffDescriptor, TransferStep, engine_layout
+from splitserve.engine.handoff import HandoffDescriptor, TransferStep, engine_fingerprint, engine_layout
 from splitserve.engine.handoff_checksums import PRIME, partial_block_checksums
 from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.progress import request_tag
@@ -144,7 +144,7 @@ class Prefetches:
         engine = self.engine
         block_ids, hits = engine.reserve_import_blocks(request_id, list(token_ids))
         try:
-            if preview.model_fingerprint != _fingerprint(engine):
+            if preview.model_fingerprint != engine_fingerprint(engine):
                 raise TransferError("handoff comes from a different model (fingerprint mismatch)")
             dst = engine_layout(engine)
             plan = build_plan(preview.layout, dst, preview.rank_block_ids,
@@ -267,9 +267,3 @@ class Prefetches:
                 return fallback(plan, dst_block_ids)
 
         return step
-
-
-def _fingerprint(engine) -> str:
-    from splitserve.engine.handoff import model_fingerprint
-
-    return model_fingerprint(engine.model_path)
