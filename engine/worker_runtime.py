@@ -80,7 +80,8 @@ class WorkerSpec:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def make_transport(kind: str) -> TransportEndpoint:
+def make_transport(kind: str, role: str = "prefill") -> TransportEndpoint:
+    """The rank's transport; `role` "decode" only pulls (a NIXL agent without a progress thread)."""
     if kind == "sim":
         from splitserve.engine.sim_engine import SimTransport
 
@@ -88,7 +89,7 @@ def make_transport(kind: str) -> TransportEndpoint:
     if kind == "nixl":
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
-        return NixlTransport()
+        return NixlTransport(progress_thread=role != "decode")
     if kind == "shm":
         from splitserve.engine.transfer.shm_transport import ShmTransport
 
@@ -183,7 +184,7 @@ def _build_rank(
     spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None
 ) -> tuple[Engine, TransportEndpoint, EngineLoop, Any]:
     engine = build_engine(spec)
-    transport = make_transport("sim" if spec.engine == "sim" else spec.transport)
+    transport = make_transport("sim" if spec.engine == "sim" else spec.transport, spec.role)
     hooks = hooks_factory(engine, transport, _expose(engine, transport, spec.address))
     state = hooks.get("state")
     after_step, block_set = _kv_event_hooks(engine, publisher, hooks.get("after_step"))

@@ -67,12 +67,18 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002,
-                 num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True):
+                 num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True, progress_thread: bool = True):
+        """`progress_thread`: NIXL's UCX progress thread, which spins (sched_yield) on a core for the
+        agent's life. A side that others read from needs it (UCX emulates a read over TCP with
+        messages the owner must answer, and answers connection setup); a side that only pulls does
+        not — it progresses its worker itself while it polls its own reads — so decode workers run
+        without it: on a shared core the spinning thread doubled a prefill's compute time
+        (benchmarks/RESULTS.md, 2026-12-02)."""
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         nixl_agent, nixl_agent_config = _nixl_api()
         self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
+        config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    num_threads=num_threads, backends=["UCX"])
         ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
         try:

@@ -136,12 +136,21 @@ def check_destination(case: dict, dst_rank: int, kv: list[torch.Tensor]) -> None
         assert_same_bits(a, e, f"dst rank {dst_rank} local layer {i}")
 
 
+def _ucx_env(case: dict) -> None:
+    """`case["ucx_tls"]`: the UCX transports of this process (before its first agent)."""
+    if case.get("ucx_tls"):
+        import os
+
+        os.environ["UCX_TLS"] = case["ucx_tls"]
+
+
 def nixl_source_process(case: dict, conn, results) -> None:
     """Hosts every source rank of `case` (one NIXL agent each); sends endpoints, waits for 'done'."""
     def body():
         from splitserve.engine.transfer.checksum import unit_checksums
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
+        _ucx_env(case)
         src_lay, _, logical, src_tables, _, _ = handoff_case(case)
         kv = scatter(logical, src_lay, src_tables, case["pool"])
         transports = [NixlTransport(f"src-{rank}-{case['seed']}") for rank in range(src_lay.world_size)]
@@ -163,13 +172,14 @@ def nixl_destination_process(case: dict, conn, results) -> None:
         from splitserve.engine.transfer.checksum import verify_unit_checksums
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
+        _ucx_env(case)
         _, dst_lay, logical, _, dst_tables, plan = handoff_case(case)
         kv = scatter(torch.full_like(logical, SENTINEL), dst_lay, dst_tables, case["pool"])
         assert conn.poll(60), "source never sent its endpoints"
         remote, checksums = conn.recv()
         try:
             for rank in range(dst_lay.world_size):
-                with NixlTransport(f"dst-{rank}-{case['seed']}") as t:
+                with NixlTransport(f"dst-{rank}-{case['seed']}", progress_thread=case.get("dst_progress_thread", True)) as t:
                     stats = t.pull(plan, rank, remote, kv[rank], timeout_s=30)
                 assert stats.num_bytes == sum(n for (_, d), n in plan.bytes_by_pair().items() if d == rank)
                 check_destination(case, rank, kv[rank])

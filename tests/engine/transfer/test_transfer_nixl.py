@@ -24,6 +24,14 @@ def test_nixl_moves_kv_tp2_to_tp1_between_processes():
                        num_blocks=6, pool=11, seed=21, first_block=2))
 
 
+@pytest.mark.parametrize("ucx_tls", [None, "tcp,self"], ids=["ucx-default", "tcp"])
+def test_a_pulling_agent_without_a_progress_thread_reads_between_processes(ucx_tls):
+    """Decode workers' agents run without NIXL's progress thread (it spins a core): their own polling
+    progresses the reads, over shared memory and over TCP (where the source's thread answers)."""
+    _nixl_handoff(dict(src=dict(tp=1, pp=1, kv_heads=2), dst=dict(tp=2, pp=1, kv_heads=2), num_blocks=5,
+                       pool=9, seed=23, first_block=1, dst_progress_thread=False, ucx_tls=ucx_tls))
+
+
 def test_nixl_endpoint_round_trips_and_rejects_garbage():
     from splitserve.engine.transfer.nixl_transport import NixlEndpoint
 
