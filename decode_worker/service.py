@@ -51,6 +51,10 @@ from splitserve.telemetry.spans import (
 log = logging.getLogger(__name__)
 
 #: PushKV answers meaning "decided not to push": nothing was or will be sent.
+PREFETCH_ANSWER_S = 1.0
+"""How long Prefetch waits for the engine thread to take the prefetch up before it answers "queued":
+the router reads a Prefetch without an answer as a hung worker (router/decode_relay.py), and a
+long engine step (a big prefill on a CPU) must not look like one."""
 _REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 
@@ -125,14 +129,24 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             return decode_worker_pb2.PrefetchResponse(reason="draining")
         if not preview.is_preview:
             return decode_worker_pb2.PrefetchResponse(reason="not a preview (it has block checksums): call Decode")
+        future = asyncio.wrap_future(self.loop.submit(Command("prefetch", request.request_id,
+                                                              (list(request.token_ids), preview))))  # fmt: skip
+        future.add_done_callback(self._prefetch_done)
         try:
-            await self._submit(Command("prefetch", request.request_id, (list(request.token_ids), preview)))
+            await asyncio.wait_for(asyncio.shield(future), PREFETCH_ANSWER_S)
+        except TimeoutError:  # queued behind a long step: it runs before any later import all the same
+            return decode_worker_pb2.PrefetchResponse(accepted=True, reason="queued behind a running step")
         except (ValueError, NoFreeBlocksError, TransferError) as exc:
-            self.metrics.rejections.labels("decode", "prefetch_declined").inc()
             return decode_worker_pb2.PrefetchResponse(reason=f"{type(exc).__name__}: {exc}")
         except RuntimeError as exc:  # the engine loop stopped
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return decode_worker_pb2.PrefetchResponse(accepted=True)
+
+    def _prefetch_done(self, future: asyncio.Future) -> None:
+        exc = None if future.cancelled() else future.exception()
+        if isinstance(exc, (ValueError, NoFreeBlocksError, TransferError)):
+            self.metrics.rejections.labels("decode", "prefetch_declined").inc()
+            log.info("prefetch declined: %s: %s", type(exc).__name__, exc)
 
     async def _decode(self, request, context, clock: _DecodeClock, span):
         request_id = request.request_id or uuid.uuid4().hex

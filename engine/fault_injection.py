@@ -11,6 +11,8 @@ Phases (where the worker waits):
                (PrefillStream: the first token is out, the final response not)
     transfer   decode worker: the handoff arrived, the pull from the prefill worker not yet begun
     stream     decode worker: before each chunk of the token stream is sent
+    step       any worker: the engine thread sleeps before each step it runs (a long step: commands
+               submitted meanwhile wait for it)
     crash      any worker: the engine loop raises at its next step (the milliseconds are ignored);
                the worker must then exit non-zero rather than hang its requests
 
@@ -27,7 +29,7 @@ import os
 
 log = logging.getLogger(__name__)
 
-PHASES = ("prefill", "transfer", "stream", "crash")
+PHASES = ("prefill", "transfer", "stream", "step", "crash")
 
 
 def parse_delays(text: str) -> dict[str, float]:

@@ -6,6 +6,7 @@ aggregated engine) does — in process, and between real worker processes (same 
 reshards, NIXL and shm)."""
 
 import importlib.util
+import time
 
 import pytest
 import torch
@@ -151,23 +152,69 @@ def _served_cases():
 
 
 @pytest.mark.parametrize("transport, src, dst", list(_served_cases()))
-def test_served_prefetch_overlaps_prefill_and_matches_aggregated(model_dir, expected, transport, src, dst):
+def test_served_prefetch_overlaps_prefill_and_matches_aggregated(
+    model_dir, expected, transport, src, dst, tmp_path, monkeypatch
+):
     """The served path: PrefillStream previews each handoff before its forward pass, the decode
     worker prefetches from the preview, and Decode imports what it pulled — the aggregated engine's
-    tokens and log-probs; a prefetch whose request is aborted or never decoded leaves nothing held."""
+    tokens and log-probs; a prefetch whose request is aborted or never decoded leaves nothing held;
+    a decode worker in a long engine step still answers Prefetch at once."""
     flags = [*ENGINE_FLAGS, "--transport", transport]
-    with (
-        running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
-        running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,
-    ):
-        results = streamed_generate(pw.address, dw.address, _prompts(), WORKER_PARAMS)
-        for (tokens, logprobs, kinds, prefetch, timing), ref in zip(results, expected, strict=True):
-            assert kinds == ["handoff_started", "first_token", "response"]
-            assert prefetch.accepted, prefetch.reason
-            assert timing.prefetched and timing.transfer_bytes > 0
-            assert tokens == ref.generated_tokens
-            assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
-        _prefetch_then_abort(pw.address, dw.address, _prompts()[2])
+    faults = tmp_path / "decode-faults"  # engine/fault_injection.py, the decode worker's only
+    with running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw:
+        monkeypatch.setenv("SPLITSERVE_FAULT_DELAY_FILE", str(faults))
+        with running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw:
+            monkeypatch.delenv("SPLITSERVE_FAULT_DELAY_FILE")
+            _served_checks(pw.address, dw.address, expected, faults)
+
+
+def _served_checks(prefill_address, decode_address, expected, faults):
+    results = streamed_generate(prefill_address, decode_address, _prompts(), WORKER_PARAMS)
+    for (tokens, logprobs, kinds, prefetch, timing), ref in zip(results, expected, strict=True):
+        assert kinds == ["handoff_started", "first_token", "response"]
+        assert prefetch.accepted, prefetch.reason
+        assert timing.prefetched and timing.transfer_bytes > 0
+        assert tokens == ref.generated_tokens
+        assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+    _prefetch_then_abort(prefill_address, decode_address, _prompts()[2])
+    _prefetch_during_a_long_step(prefill_address, decode_address, _prompts()[1], expected[1], faults)
+
+
+def _prefetch_during_a_long_step(prefill_address, decode_address, prompt, ref, faults):
+    """The router reads a Prefetch without an answer within its control timeout as a hung worker:
+    a decode worker whose engine thread is in a long step answers "queued" within PREFETCH_ANSWER_S,
+    and the queued prefetch still serves the import that follows."""
+    import grpc
+
+    from splitserve.decode_worker.service import PREFETCH_ANSWER_S
+    from splitserve.engine.wire import sampling_to_proto
+    from splitserve.proto.v1 import decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
+    from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
+
+    sp = sampling_to_proto(WORKER_PARAMS)
+    with grpc.insecure_channel(prefill_address) as pc, grpc.insecure_channel(decode_address) as dc:
+        prefill, decode = prefill_grpc.PrefillWorkerStub(pc), decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+        events = list(prefill.PrefillStream(
+            prefill_worker_pb2.PrefillRequest(request_id="long", token_ids=prompt, sampling_params=sp), timeout=60))
+        preview, response = events[0].handoff_started, events[-1].response
+        faults.write_text("step=4000")
+        busy = decode.Decode(decode_worker_pb2.DecodeRequest(
+            request_id="busy", token_ids=_prompts()[0], sampling_params=sampling_to_proto(
+                SamplingParams(num_tokens_to_generate=3, temperature=0.0))), timeout=60)
+        next(busy)  # its first step is done: the engine thread now sleeps 4 s before the next one
+        started = time.monotonic()
+        reply = decode.Prefetch(decode_worker_pb2.PrefetchRequest(
+            request_id="long", token_ids=prompt, handoff=preview), timeout=10)
+        answered_s = time.monotonic() - started
+        faults.write_text("")
+        assert reply.accepted and reply.reason == "queued behind a running step", reply
+        assert PREFETCH_ANSWER_S <= answered_s < PREFETCH_ANSWER_S + 1.5
+        chunks = list(decode.Decode(decode_worker_pb2.DecodeRequest(
+            request_id="long", token_ids=prompt, sampling_params=sp, handoff=response.handoff,
+            prefill_address=prefill_address), timeout=60))
+        assert [t for c in chunks for t in c.token_ids] == ref.generated_tokens
+        assert chunks[-1].timing.prefetched  # the queued prefetch ran before the import
+        assert len([t for c in busy for t in c.token_ids]) == 2
 
 
 def _prefetch_then_abort(prefill_address, decode_address, prompt):
