@@ -50,11 +50,11 @@ from splitserve.telemetry.spans import (
 
 log = logging.getLogger(__name__)
 
-#: PushKV answers meaning "decided not to push": nothing was or will be sent.
 PREFETCH_ANSWER_S = 1.0
 """How long Prefetch waits for the engine thread to take the prefetch up before it answers "queued":
 the router reads a Prefetch without an answer as a hung worker (router/decode_relay.py), and a
 long engine step (a big prefill on a CPU) must not look like one."""
+#: PushKV answers meaning "decided not to push": nothing was or will be sent.
 _REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
 

@@ -164,6 +164,7 @@ class PrefillCaller:
         run.touched[worker.worker_id] = worker  # it reserves blocks: an Abort must reach it
         if run.prefetch is not None:
             run.prefetch.cancel()
+        run.prefetch_failure = None  # an earlier attempt's: this preview's Prefetch answers for itself
 
         async def call() -> None:
             try:

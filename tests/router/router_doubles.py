@@ -61,6 +61,8 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         """PrefillStream: fail with these after the first token, instead of sending the response."""
         self.send_preview = False
         self.fail_after_preview: list[grpc.StatusCode] = []
+        self.after_preview_s = 0.0
+        """PrefillStream: seconds between the preview and what follows it (the forward pass)."""
         self.num_cached_tokens = 0
         self.lease_s = 30.0
         self.block_set = prefill_worker_pb2.BlockSet()
@@ -88,6 +90,7 @@ class PrefillDouble(prefill_worker_pb2_grpc.PrefillWorkerServicer):
             preview = handoff_pb2.HandoffDescriptor(request_id=request.request_id, num_tokens=len(request.token_ids),
                                                     progress_slot=0)  # fmt: skip
             yield prefill_worker_pb2.PrefillEvent(handoff_started=preview)
+            await asyncio.sleep(self.after_preview_s)
             if self.fail_after_preview:
                 await context.abort(self.fail_after_preview.pop(0), f"injected failure after the preview on {self.worker_id}")
         first = prefill_worker_pb2.PrefillFirstToken(token_id=handoff.first_token_id, finish_reason=response.finish_reason)

@@ -170,3 +170,19 @@ async def test_a_decode_worker_that_does_not_answer_its_prefetch_is_skipped_and_
     routing = chunks[-1].routing
     assert routing.num_decode_attempts == 2 and f"decode on {hung.worker_id} failed (DEADLINE_EXCEEDED)" in routing.reason
     assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
+
+
+async def test_an_unanswered_prefetch_of_a_failed_prefill_attempt_does_not_count_against_the_retry():
+    """The retry's preview goes to the same decode worker, which answers it this time: that worker
+    decodes (the first attempt's unanswered Prefetch is forgotten with the attempt)."""
+    p0, p1, d0 = PrefillDouble("p0"), PrefillDouble("p1"), DecodeDouble("d0")
+    failing = [grpc.StatusCode.UNAVAILABLE]
+    for double in (p0, p1):
+        double.send_preview, double.after_preview_s = True, 0.8
+        double.fail_after_preview = failing  # shared: only the first attempt fails, after its Prefetch did
+    d0.prefetch_hangs = [1.5]  # the first Prefetch gets no answer within the control timeout
+    async with serving(p0, p1, d0) as endpoints, router(endpoints, control_timeout_s=0.5) as (_, stub):
+        chunks = await collect(stub, request("r1"))
+    assert len(p0.requests) + len(p1.requests) == 2 and [r.request_id for r in d0.requests] == ["r1"]
+    assert chunks[-1].routing.num_decode_attempts == 1
+    assert tokens_of(chunks) == [first_token_of(PROMPT) + i for i in range(5)]
