@@ -10,7 +10,8 @@ current trace context (W3C traceparent) in its metadata.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+import contextlib
+from collections.abc import AsyncIterator, Iterator, Mapping
 
 import grpc
 
@@ -48,17 +49,21 @@ def _error(worker: WorkerEndpoint, method: str, e: grpc.aio.AioRpcError) -> Work
     return WorkerCallError(worker.worker_id, method, e.code(), e.details() or "")
 
 
-def _is_cancelling() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
-
-
-def _closed(worker: WorkerEndpoint, method: str) -> WorkerCallError:
-    """For a CancelledError out of a call: gRPC raises one when the call's channel closes under it (or
-    something cancelled the call). Unless the awaiting task itself is being cancelled (then the
-    CancelledError must go on), it is the worker's failure, retried like one, not a cancelled request."""
-    return WorkerCallError(worker.worker_id, method, grpc.StatusCode.UNAVAILABLE, "the call was cancelled under us "
-                           "(its channel closed: the worker left the topology)")  # fmt: skip
+@contextlib.contextmanager
+def _call_errors(worker: WorkerEndpoint, method: str) -> Iterator[None]:
+    """gRPC failures of a call as WorkerCallError. A CancelledError out of a call whose awaiting task
+    is not itself being cancelled comes from gRPC when the call's channel closes under it: that is the
+    worker's failure (UNAVAILABLE, retried like one), not a cancelled request."""
+    try:
+        yield
+    except grpc.aio.AioRpcError as e:
+        raise _error(worker, method, e) from e
+    except asyncio.CancelledError:
+        task = asyncio.current_task()
+        if task is not None and task.cancelling() > 0:
+            raise
+        raise WorkerCallError(worker.worker_id, method, grpc.StatusCode.UNAVAILABLE, "the call was cancelled under "
+                              "us (its channel closed: the worker left the topology)") from None  # fmt: skip
 
 
 class DecodeCall:
@@ -69,15 +74,9 @@ class DecodeCall:
         self._call = call
 
     async def __aiter__(self) -> AsyncIterator[DecodeOutput]:
-        try:
+        with _call_errors(self._worker, "Decode"):
             async for message in self._call:
                 yield decode_output_from_proto(message)
-        except grpc.aio.AioRpcError as e:
-            raise _error(self._worker, "Decode", e) from e
-        except asyncio.CancelledError:
-            if _is_cancelling():
-                raise
-            raise _closed(self._worker, "Decode") from None
 
     def cancel(self) -> None:
         self._call.cancel()
@@ -95,22 +94,17 @@ class PrefillStreamCall:
         first: PrefillFirstToken | None = None
         has_result = False
         try:
-            async for message in self._call:
-                kind = message.WhichOneof("event")
-                if kind == "handoff_started" and first is None and not has_result:
-                    yield PrefillHandoffStarted(message.handoff_started.SerializeToString())
-                elif kind == "first_token" and first is None and not has_result:
-                    first = first_token_from_proto(message.first_token)
-                    yield first
-                elif kind == "response" and not has_result:
-                    has_result = True
-                    yield prefill_result_from_proto(message.response, first.first if first else None)
-        except grpc.aio.AioRpcError as e:
-            raise _error(self._worker, "PrefillStream", e) from e
-        except asyncio.CancelledError:
-            if _is_cancelling():
-                raise
-            raise _closed(self._worker, "PrefillStream") from None
+            with _call_errors(self._worker, "PrefillStream"):
+                async for message in self._call:
+                    kind = message.WhichOneof("event")
+                    if kind == "handoff_started" and first is None and not has_result:
+                        yield PrefillHandoffStarted(message.handoff_started.SerializeToString())
+                    elif kind == "first_token" and first is None and not has_result:
+                        first = first_token_from_proto(message.first_token)
+                        yield first
+                    elif kind == "response" and not has_result:
+                        has_result = True
+                        yield prefill_result_from_proto(message.response, first.first if first else None)
         except ValueError as e:
             raise WorkerCallError(self._worker.worker_id, "PrefillStream", grpc.StatusCode.INTERNAL, str(e)) from e
         if not has_result:
@@ -164,14 +158,8 @@ class GrpcWorkerClient:
         stub = decode_worker_pb2_grpc.DecodeWorkerStub(self._channel(worker.address))
         message = decode_worker_pb2.PrefetchRequest(request_id=request.request_id, token_ids=request.token_ids)
         message.handoff.ParseFromString(preview)
-        try:
+        with _call_errors(worker, "Prefetch"):
             reply = await stub.Prefetch(message, timeout=timeout_s, metadata=inject_metadata())
-        except grpc.aio.AioRpcError as e:
-            raise _error(worker, "Prefetch", e) from e
-        except asyncio.CancelledError:
-            if _is_cancelling():
-                raise
-            raise _closed(worker, "Prefetch") from None
         return reply.accepted, reply.reason
 
     async def abort(self, worker: WorkerEndpoint, request_id: str, timeout_s: float) -> bool:
@@ -182,16 +170,10 @@ class GrpcWorkerClient:
             if worker.role is Role.PREFILL
             else decode_worker_pb2_grpc.DecodeWorkerStub(channel)
         )
-        try:
+        with _call_errors(worker, "Abort"):
             reply = await stub.Abort(
                 common_pb2.AbortRequest(request_id=request_id), timeout=timeout_s, metadata=inject_metadata()
             )
-        except grpc.aio.AioRpcError as e:
-            raise _error(worker, "Abort", e) from e
-        except asyncio.CancelledError:
-            if _is_cancelling():
-                raise
-            raise _closed(worker, "Abort") from None
         return reply.was_found
 
     async def get_block_set(self, worker: WorkerEndpoint, timeout_s: float) -> BlockSetSnapshot:
@@ -201,14 +183,8 @@ class GrpcWorkerClient:
             if worker.role is Role.PREFILL
             else decode_worker_pb2_grpc.DecodeWorkerStub(channel)
         )
-        try:
+        with _call_errors(worker, "GetBlockSet"):
             reply = await stub.GetBlockSet(prefill_worker_pb2.GetBlockSetRequest(), timeout=timeout_s)
-        except grpc.aio.AioRpcError as e:
-            raise _error(worker, "GetBlockSet", e) from e
-        except asyncio.CancelledError:
-            if _is_cancelling():
-                raise
-            raise _closed(worker, "GetBlockSet") from None
         return block_set_from_proto(reply)
 
     async def set_workers(self, workers: Mapping[str, WorkerEndpoint]) -> None:
