@@ -126,6 +126,15 @@ class FaultCluster:
     def log_text(self) -> str:
         return "".join(self.output)
 
+    def wait_log(self, *needles: str, timeout_s: float = 20.0) -> None:
+        """Until `splitserve up`'s output holds every needle (its supervisor notices a death on its own
+        schedule, which may come after the request the death was about has been answered)."""
+        deadline = time.monotonic() + timeout_s
+        while not all(n in self.log_text() for n in needles):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{needles} not in the cluster log:\n{self.log_text()[-3000:]}")
+            time.sleep(0.1)
+
     # ------------------------------------------------------------- topology
     def topology(self):
         with grpc.insecure_channel(self.control_plane) as channel:

@@ -38,7 +38,7 @@ def test_prefill_worker_killed_during_prefill(cluster, oai, expected):
     kill(pid)
     # Held after its first token went out (PrefillStream): the decode worker goes on from prompt + first token.
     assert answer.result(timeout=60).choices[0].text == expected
-    assert "prefill-worker-g0-dp" in cluster.log_text() and "exited with code -9; restarting it" in cluster.log_text()
+    cluster.wait_log("prefill-worker-g0-dp", "exited with code -9; restarting it")
 
 
 @pytest.mark.parametrize("phase", ["prefill", "stream"])
