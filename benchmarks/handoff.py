@@ -5,7 +5,8 @@ block 16, bf16) and exposes it; a destination process pulls one request's blocks
 transfer plan, for 1k / 8k / 32k-token prompts, per transport:
 
 - throughput: GB/s of a pull of already-written KV, and its ratio to a copy of the same bytes
-  measured in the same run, interleaved with the pulls (CPU: a copy between two host buffers
+  measured in the same run, interleaved with the pulls (`ratio`: best against best of
+  --repeats each; `med`: median against median) (CPU: a copy between two host buffers
   holding data, with --threads threads, default 1 = memcpy; GPU: device-to-device). `reshard` pulls into a tp=2 rank (half the
   heads: a strided pattern).
 - exposed: the source "prefills" — one layer every prompt_len / --prefill-tok-s / 16 seconds
@@ -58,7 +59,7 @@ def main() -> None:
     ctx = mp.get_context("spawn")
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {LAYERS} layers, block {BLOCK}, bf16, {args.threads} "
           f"thread(s), prefill modelled at {args.prefill_tok_s:,.0f} tok/s, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'transport':>10} {'case':>8} {'tokens':>7} {'MB':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} "
+    print(f"{'transport':>10} {'case':>8} {'tokens':>7} {'MB':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'med':>6} "
           f"{'prefill ms':>10} {'exposed off ms':>14} {'exposed layerwise ms':>20}")
     for kind in kinds:
         with tempfile.TemporaryDirectory() as store_dir:
@@ -83,7 +84,8 @@ def main() -> None:
                 off = f"{r['exposed_off'] * 1e3:.1f}" if r["exposed_off"] is not None else "n/a"
                 on = f"{r['exposed_on'] * 1e3:.1f}" if r["exposed_on"] is not None else "n/a"
                 print(f"{kind:>10} {r['case']:>8} {r['tokens']:>7} {r['bytes'] / 1e6:>8.1f} {r['gbps']:>7.2f} "
-                      f"{r['copy_gbps']:>9.2f} {r['gbps'] / r['copy_gbps']:>6.1%} {r['prefill_s'] * 1e3:>10.1f} "
+                      f"{r['copy_gbps']:>9.2f} {r['gbps'] / r['copy_gbps']:>6.1%} {r['median_ratio']:>6.1%} "
+                      f"{r['prefill_s'] * 1e3:>10.1f} "
                       f"{off:>14} {on:>20}")
     print(f"layer-wise streaming available for: {', '.join(k for k in kinds if k in STREAMING) or 'none'}")
 

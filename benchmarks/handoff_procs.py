@@ -12,6 +12,7 @@ Commands over the pipe, destination → source:
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import replace
 from datetime import timedelta
@@ -147,7 +148,8 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
             moved = stats.num_bytes
             prefill_s = n_tokens / prefill_tok_s
             row = dict(case=case, tokens=n_tokens, bytes=moved, gbps=moved / min(times) / 1e9,
-                       copy_gbps=moved / min(copies) / 1e9, prefill_s=prefill_s, exposed_off=None, exposed_on=None)
+                       copy_gbps=moved / min(copies) / 1e9, median_ratio=statistics.median(copies) / statistics.median(times),
+                       prefill_s=prefill_s, exposed_off=None, exposed_on=None)
             if kind in STREAMING and exposed:
                 row["exposed_off"] = min(_exposed(conn, n_tokens, prefill_s, f"off-{i}", pull, None)
                                          for i in range(2))

@@ -27,8 +27,8 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from splitserve.engine.transfer.gpu_copy import copy_op_cuda
-from splitserve.engine.transfer.graph_copy import copy_op_graph
+from splitserve.engine.transfer.gpu_copy import copy_op_cuda, current_stream
+from splitserve.engine.transfer.graph_copy import PoolPairKeys, copy_op_graph
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
@@ -83,6 +83,7 @@ class CudaIpcTransport(KVTransport):
         self._mapped: dict[bytes, list[torch.Tensor]] = {}
         # graph-replayed copies (engine/transfer/graph_copy.py); SPLITSERVE_GRAPH_COPY=0 turns them off
         self._graphs = os.environ.get("SPLITSERVE_GRAPH_COPY", "1") != "0" if graphs is None else graphs
+        self._pool_keys = PoolPairKeys()
 
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_cuda and t.is_contiguous() for t in kv_tensors):
@@ -109,18 +110,20 @@ class CudaIpcTransport(KVTransport):
         timeout_s: float = 30.0,
     ) -> TransferStats:
         start = time.perf_counter()
-        device = kv_tensors[0].device
+        device = kv_tensors[0].get_device()
         num_bytes = num_ops = 0
         for src_rank in needed_sources(plan, dst_rank, remote):
             src = self._open(remote[src_rank])
+            pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
             for op in plan.ops_for_pair(src_rank, dst_rank):
                 # one launch for every layer and block run of the op; replayed from a graph when it can
-                if not (self._graphs and copy_op_graph(op, src, kv_tensors)):
+                if not (self._graphs and copy_op_graph(op, src, kv_tensors, pools)):
                     copy_op_cuda(op, src, kv_tensors)
                 num_bytes += plan.op_bytes(op)
                 num_ops += 1
-        torch.cuda.current_stream(device).synchronize()  # the copies ran on it; no device-wide sync
+        current_stream(device).synchronize()  # the copies ran on it; no device-wide sync
         return TransferStats(num_bytes, time.perf_counter() - start, num_ops)
 
     def close(self) -> None:
         self._mapped.clear()
+        self._pool_keys.clear()

@@ -99,18 +99,23 @@ class TransferPlan:
     """Blocks of the request on the source; blocks [first_block, num_blocks) are transferred."""
     ops: tuple[TransferOp, ...]
     _bytes_by_pair: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
+    _ops_by_pair: dict[tuple[int, int], tuple[TransferOp, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.num_blocks:
             raise ValueError(f"first_block {self.first_block!r} out of range [0, {self.num_blocks}]")
         pairs: dict[tuple[int, int], int] = {}
+        ops_by_pair: dict[tuple[int, int], list[TransferOp]] = {}
         for op in self.ops:
             if op.src_rank >= self.src.world_size or op.dst_rank >= self.dst.world_size:
                 raise ValueError(f"op {op!r} names a rank outside src world {self.src.world_size} / "
                                  f"dst world {self.dst.world_size}")
             key = (op.src_rank, op.dst_rank)
             pairs[key] = pairs.get(key, 0) + self.op_bytes(op)
+            ops_by_pair.setdefault(key, []).append(op)
         object.__setattr__(self, "_bytes_by_pair", pairs)
+        # looked up per pull (a GPU pull's host time counts: benchmarks/RESULTS.md, 2026-12-02 session 6)
+        object.__setattr__(self, "_ops_by_pair", {key: tuple(ops) for key, ops in ops_by_pair.items()})
 
     def op_bytes(self, op: TransferOp) -> int:
         """Bytes `op` moves (layers × K,V × blocks × heads)."""
@@ -131,7 +136,11 @@ class TransferPlan:
         return tuple(op for op in self.ops if op.src_rank == src_rank)
 
     def ops_for_pair(self, src_rank: int, dst_rank: int) -> tuple[TransferOp, ...]:
-        return tuple(op for op in self.ops if op.src_rank == src_rank and op.dst_rank == dst_rank)
+        return self._ops_by_pair.get((src_rank, dst_rank), ())
+
+    def sources_for(self, dst_rank: int) -> list[int]:
+        """Source ranks `dst_rank` reads from, ascending."""
+        return sorted(src for src, dst in self._ops_by_pair if dst == dst_rank)
 
     def summary(self) -> str:
         """Human-readable multi-line description for logs."""

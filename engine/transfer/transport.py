@@ -112,7 +112,7 @@ class KVTransport(TransportEndpoint):
 
 def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> list[int]:
     """Source ranks `dst_rank` reads from, checking `remote` has metadata for each."""
-    sources = sorted({op.src_rank for op in plan.ops_for_dst(dst_rank)})
+    sources = plan.sources_for(dst_rank)
     missing = [rank for rank in sources if rank not in remote]
     if missing:
         raise ValueError(f"no endpoint metadata for source ranks {missing} (have {sorted(remote)})")

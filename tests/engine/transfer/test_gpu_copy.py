@@ -67,3 +67,33 @@ def test_graph_replayed_copies_match_the_reference_run_after_run():
         torch.cuda.synchronize()
         assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True)), (run, heads)
     assert not graph_copy.copy_op_graph(_op([(3, 0, 2), (20, 15, 5)], src_heads=(2, 2)), src, dst)
+
+
+def test_graph_copies_keyed_by_a_remembered_pool_pair_follow_a_replaced_pool():
+    """With the transport's remembered pool-pair key (graph_copy.PoolPairKeys): a pool list whose
+    tensor was replaced gets a new key, so the copy lands in the new tensor, not the captured one."""
+    from splitserve.engine.transfer import graph_copy
+
+    g = torch.Generator().manual_seed(2)
+    src = [torch.randn(2, 40, 4, 16, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(4)]
+    dst = [torch.zeros(2, 30, 4, 16, 64, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    keys = graph_copy.PoolPairKeys()
+    op = _op([(3, 0, 12)], src_heads=(0, 4))
+    assert graph_copy.copy_op_graph(op, src, dst, keys.key(src, dst))
+    old = dst[1]
+    dst[1] = torch.zeros_like(old)
+    expected = _expected(op, src, dst)
+    assert graph_copy.copy_op_graph(op, src, dst, keys.key(src, dst))
+    torch.cuda.synchronize()
+    assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True))
+
+
+def test_the_cached_current_stream_follows_stream_contexts():
+    """gpu_copy.current_stream caches Stream objects by the raw current-stream lookup: inside a
+    stream context it is that stream, outside the default one again."""
+    index = torch.cuda.current_device()
+    side = torch.cuda.Stream()
+    assert gpu_copy.current_stream(index) == torch.cuda.current_stream(index)
+    with torch.cuda.stream(side):
+        assert gpu_copy.current_stream(index) == side
+    assert gpu_copy.current_stream(index) == torch.cuda.default_stream(index)
