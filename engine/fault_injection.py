@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +60,16 @@ def delay_s(phase: str) -> float:
     return 0.0 if delays is None else delays.get(phase, 0.0)
 
 
-def should_crash() -> bool:
-    """The engine loop should raise now (phase "crash" is set)."""
+def before_step() -> None:
+    """The engine loop's hook before each step, one look at the setting: raise for "crash",
+    sleep for "step" (off: two environment lookups)."""
     delays = _current()
-    return delays is not None and "crash" in delays
+    if delays is None:
+        return
+    if "crash" in delays:  # tests/integration/test_worker_crash.py
+        raise RuntimeError("fault injection: the engine loop crashes")
+    if slow := delays.get("step", 0.0):  # a long step
+        time.sleep(slow)
 
 
 def _current() -> dict[str, float] | None:

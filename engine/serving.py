@@ -17,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,10 +119,7 @@ class EngineLoop:
                 if self._apply_all(commands, futures):
                     return
                 if engine.has_unfinished() and not self.is_paused:  # same on every rank: same state
-                    if fault_injection.should_crash():  # test hook (tests/integration/test_worker_crash.py)
-                        raise RuntimeError("fault injection: the engine loop crashes")
-                    if slow := fault_injection.delay_s("step"):  # test hook: a long step
-                        time.sleep(slow)
+                    fault_injection.before_step()  # test hook: crash or a long step
                     outputs = engine.step()
                     if self.after_step is not None:
                         self.after_step(engine, outputs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 import socket
 import ssl
 import urllib.request
@@ -15,11 +16,37 @@ from splitserve import grpc_security
 from splitserve.child_process import ChildExitedError, ChildProcess
 from splitserve.control_plane import etcd_client
 
+_PORT_SPAN = 12000
+"""How many ports below the kernel's ephemeral range `free_port` draws from."""
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+
+def _ephemeral_low(path: str = "/proc/sys/net/ipv4/ip_local_port_range") -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
+    """A TCP port on `host` that was free a moment ago, for a server started next.
+
+    Drawn at random from just below the kernel's ephemeral range (Linux: 32768-60999, so
+    20768-32767), not from the kernel's own `bind(0)` pick: that pick comes from the ephemeral
+    range, where every outgoing connection's source port and every other server started on port
+    0 also land — a port handed out that way can be taken before our server binds it (seen with
+    64 simulated workers: gRPC's SO_REUSEPORT then let two servers share it). Outside the range
+    only another explicit picker can collide, at random among ~12k ports. Falls back to
+    `bind(0)` where the range is unknown or nothing below it is free."""
+    low = _ephemeral_low()
+    if low is not None and low - _PORT_SPAN >= 1024:
+        rng = random.SystemRandom()
+        for _ in range(tries):
+            port = rng.randrange(low - _PORT_SPAN, low)
+            if port_is_free(host, port):
+                return port
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 

@@ -42,3 +42,16 @@ def test_hold_waits_and_logs_the_pid(monkeypatch, caplog):
     asyncio.run(fault_injection.hold("transfer", "req-1"))
     assert time.monotonic() - started >= 0.05
     assert "holds request req-1 in phase transfer for 50 ms" in caplog.text
+
+
+def test_before_step_is_a_no_op_when_off_and_crashes_or_sleeps_when_set(monkeypatch):
+    monkeypatch.delenv("SPLITSERVE_FAULT_DELAY_MS", raising=False)
+    monkeypatch.delenv("SPLITSERVE_FAULT_DELAY_FILE", raising=False)
+    fault_injection.before_step()
+    monkeypatch.setenv("SPLITSERVE_FAULT_DELAY_MS", "step=60")
+    started = time.monotonic()
+    fault_injection.before_step()
+    assert time.monotonic() - started >= 0.06
+    monkeypatch.setenv("SPLITSERVE_FAULT_DELAY_MS", "crash=0,step=5000")  # the crash wins, at once
+    with pytest.raises(RuntimeError, match="engine loop crashes"):
+        fault_injection.before_step()

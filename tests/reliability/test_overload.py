@@ -14,11 +14,11 @@ import asyncio
 import os
 import re
 import shutil
-import socket
 import urllib.request
 
 import pytest
 
+from splitserve.readiness import free_port
 from tests.e2e.process_tree import descendants
 from tests.reliability.overload_load import command_line, rss_mb, run_level
 from tests.security.up_cluster import UpCluster
@@ -39,11 +39,6 @@ HOLD_FRACTION = 0.6
 ENGINE_FLAGS = os.environ.get("SPLITSERVE_OVERLOAD_ENGINE_FLAGS", "--engine torch").split()
 """The embedded model by default; e.g. "--engine sim --worker-arg=--sim-decode-step-s=0.05" for modelled workers."""
 
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _router_in_flight(metrics_url: str) -> float:
@@ -69,7 +64,7 @@ def _processes(up: UpCluster) -> dict[str, int]:
 
 @pytest.mark.slow
 async def test_ramp_past_capacity_is_refused_with_429_and_throughput_holds(tmp_path):
-    metrics_port = _free_port()
+    metrics_port = free_port()
     flags = [*ENGINE_FLAGS, f"--router-arg=--max-in-flight={MAX_IN_FLIGHT}",
              f"--router-arg=--metrics-port={metrics_port}", f"--gateway-arg=--max-in-flight={GATEWAY_MAX_IN_FLIGHT}"]  # fmt: skip
     metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
