@@ -19,9 +19,13 @@ layer as soon as the forward pass has written it:
     step end ─▶ first token, then `publish_layers` (all layers), descriptor ─▶ Decode: verify
 
 Per-layer marks need the layer's KV writes finished when the mark is written: true on the CPU
-(the forward is synchronous), not on a GPU stream, where layers are marked after the step (a
-prefetch then starts pulling at the step's end, still before the checksums and the reply). The
-marks carry readiness only; a prefetch is verified by the descriptor's block checksums on import.
+(the forward is synchronous, the mark is written from the layer callback). On a GPU the callback
+only queues: it records a CUDA event behind the layer's kernels (`DeviceLayerMarks`), and the
+engine thread — which waits for the step's results next anyway (`ModelRunner.collect`) — waits
+on the events in layer order and writes each mark as its layer finishes, so a decode worker
+pulls layer i while layers i+1… still run. Everything stays on the engine thread: a slot is
+never marked after `close_released` gave it back. The marks carry readiness only; a prefetch is
+verified by the descriptor's block checksums on import.
 """
 
 from __future__ import annotations
@@ -90,11 +94,39 @@ class LayerPublisher:
             if self.on_started is not None:
                 num_blocks = -(-req.prompt_len // block_size)
                 self.on_started(req.request_id, slot, tuple(req.block_ids[:num_blocks]), req.prompt_len)
-        if not live or self.engine.runner.device.type != "cpu":
+        if not live:
             return None
+        if self.engine.runner.device.type == "cuda":
+            return DeviceLayerMarks(board, live)
 
         def layer_written(local_layer: int) -> None:
             for slot, num_tokens in live:
                 board.mark(slot, local_layer, None, (), num_tokens)
 
         return layer_written
+
+
+class DeviceLayerMarks:
+    """One GPU step's layer marks: called after each local layer is queued (records an event
+    behind it on the current stream); `drain` waits for the events in order and marks each
+    layer on the board as it completes. Engine thread only."""
+
+    def __init__(self, board: ProgressBoard, live: list[tuple[int, int]]) -> None:
+        import torch
+
+        self._event = torch.cuda.Event
+        self.board = board
+        self.live = live
+        self.pending: list[tuple[int, object]] = []
+
+    def __call__(self, local_layer: int) -> None:
+        event = self._event()
+        event.record()
+        self.pending.append((local_layer, event))
+
+    def drain(self) -> None:
+        for local_layer, event in self.pending:
+            event.synchronize()
+            for slot, num_tokens in self.live:
+                self.board.mark(slot, local_layer, None, (), num_tokens)
+        self.pending.clear()

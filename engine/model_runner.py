@@ -8,7 +8,8 @@ metadata, runs its pipeline stage, and (on the driver) samples.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -64,6 +65,9 @@ class PendingStep:
     greedy: torch.Tensor | None = None
     greedy_host: torch.Tensor | None = None
     ready: torch.cuda.Event | None = None
+    layer_marks: Callable[[], None] | None = None
+    """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
+    (engine/handoff_layerwise.py `DeviceLayerMarks.drain`); `collect` calls it first."""
 
 
 @dataclass(frozen=True)
@@ -157,13 +161,19 @@ class ModelRunner:
         extra = {}
         if self.states is not None:  # hybrid: the mixers' recurrent-state slots for this step
             extra = dict(mamba_meta=self.states.prepare(out, self.backend, self.device), mamba_states=self.states.layers)
+        drain = None
         if self.layer_listener is not None:
             after_layer = self.layer_listener.forward_started(out)
             if after_layer is not None and self.states is None:  # hybrid layers: marked after the step
                 extra["after_layer"] = after_layer
+                drain = getattr(after_layer, "drain", None)
         hidden = self.model(
             inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden, **extra
         )
+        pending = self._after_forward(out, inputs, hidden)
+        return pending if drain is None else replace(pending, layer_marks=drain)
+
+    def _after_forward(self, out: SchedulerOutput, inputs, hidden: torch.Tensor) -> PendingStep:
         if self.states is not None:
             self.states.finish(out)
         if not self.ps.is_last_stage:
@@ -192,6 +202,8 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, step: PendingStep) -> list[ChunkResult]:
         """Sample the launched step (driver) and share the results with every rank."""
+        if step.layer_marks is not None:  # its layers' readiness first: a decode worker is pulling them
+            step.layer_marks()
         results = None
         if self.ps.is_driver:
             if step.logits is not None:

@@ -24,6 +24,8 @@ keeps the unfused modules, the numerical reference of the tests.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -79,14 +81,21 @@ def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
 
 
 def fused_layers_forward(
-    model, hidden: torch.Tensor, cos, sin, kv_caches: list[torch.Tensor], meta: AttentionMetadata
+    model,
+    hidden: torch.Tensor,
+    cos,
+    sin,
+    kv_caches: list[torch.Tensor],
+    meta: AttentionMetadata,
+    after_layer: Callable[[int], None] | None = None,
 ) -> torch.Tensor:
     """The stage's decoder layers over hidden [T, H]; returns the full hidden state
     (residual stream included), like the unfused loop. `hidden` is consumed: it
-    becomes the residual buffer and is updated in place."""
+    becomes the residual buffer and is updated in place. `after_layer(i)` is called once
+    local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
     residual = None
     x = hidden
-    for layer, kv in zip(model.layers, kv_caches, strict=True):
+    for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
         norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
         if residual is None:
             residual = x
@@ -94,6 +103,8 @@ def fused_layers_forward(
         else:
             h = kernels.rms_norm(x, norm_in.weight, norm_in.eps, residual=residual)
         attn_out = _attention(layer.self_attn, h, cos, sin, kv, meta)
+        if after_layer is not None:
+            after_layer(i)
         h = kernels.rms_norm(attn_out, norm_post.weight, norm_post.eps, residual=residual)
         x = _mlp(layer.mlp, h)
     if residual is None:

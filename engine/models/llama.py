@@ -140,12 +140,12 @@ class CausalLM(nn.Module):
         after_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """input_ids [T] on the first stage, else `hidden` [T, hidden] from the previous stage.
-        `after_layer(i)` runs once local layer i has written its KV (eager path only)."""
+        `after_layer(i)` runs once local layer i has written its KV (queued it, on a GPU)."""
         if self.ps.is_first_stage:
             hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
         if self.fused:
-            return fused_layers_forward(self, hidden, cos, sin, kv_caches, meta)
+            return fused_layers_forward(self, hidden, cos, sin, kv_caches, meta, after_layer)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv, meta)
             if after_layer is not None:

@@ -247,3 +247,53 @@ def _prefetch_then_abort(prefill_address, decode_address, prompt):
         with pytest.raises(grpc.RpcError) as err:  # a preview is for Prefetch, never for Decode
             list(decode.Decode(bad, timeout=10))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="per-layer CUDA events need a GPU")
+def test_gpu_layers_are_marked_in_order_each_after_its_kv_is_written(llama_ckpt, monkeypatch):
+    """On a GPU the prompt's layers are marked one by one while the step finishes
+    (handoff_layerwise.DeviceLayerMarks), each only once its KV is written: a copy taken on a side
+    stream at mark time already holds the layer's final KV. A decode engine streaming from those
+    marks generates what aggregated serving does."""
+    from splitserve.engine.handoff_layerwise import DeviceLayerMarks, LayerPublisher
+
+    prefill = LLM(str(llama_ckpt), role="prefill", layerwise=True, device="cuda", **OPTIONS).engine
+    transport = InProcTransport()
+    transport.expose(prefill.kv_caches)
+    board = transport.board
+    listener = LayerPublisher(prefill, lambda: board)
+    prefill.runner.layer_listener = listener
+    made = []
+    real_started = listener.forward_started
+    monkeypatch.setattr(listener, "forward_started", lambda out: made.append(real_started(out)) or made[-1])
+    side = torch.cuda.Stream()
+    marks, snapshots = [], {}
+    real_mark = board.mark
+
+    def mark(slot, layer, kv_layer, block_ids, num_tokens):
+        with torch.cuda.stream(side):  # not queued behind the step's later layers
+            snapshots[layer] = prefill.kv_caches[layer].clone()
+        side.synchronize()
+        marks.append((slot, layer, num_tokens))
+        real_mark(slot, layer, kv_layer, block_ids, num_tokens)
+
+    monkeypatch.setattr(board, "mark", mark)
+    prompt = list(range(10, 31))
+    prefill.add_request("r", prompt, PARAMS)
+    while prefill.has_unfinished():
+        prefill.step()
+    layers = len(prefill.kv_caches)
+    assert any(isinstance(m, DeviceLayerMarks) for m in made)
+    assert marks == [(0, layer, len(prompt)) for layer in range(layers)]  # each once, in order, in the step
+    for layer in range(layers):
+        assert torch.equal(snapshots[layer], prefill.kv_caches[layer]), layer
+
+    h = prefill.handoffs["r"]
+    slot = publish_layers(prefill, board, h)  # the step's end: marks every layer again (same counts)
+    meta = transport.expose(prefill.kv_caches)
+    checksums = group_block_checksums(prefill, h.block_ids)
+    desc = build_descriptor(prefill, h, {0: RankEndpoint(0, "local", meta)}, "inproc", checksums, progress_slot=slot)
+    decode = LLM(str(llama_ckpt), role="decode", layerwise=True, device="cuda", **OPTIONS).engine
+    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None, make_importer(decode, transport, desc))
+    expected = LLM(str(llama_ckpt), device="cuda", **OPTIONS).generate([prompt], PARAMS)[0]
+    assert _decode_all(decode).generated_tokens == expected.generated_tokens
