@@ -18,7 +18,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
+import threading
 import time
+import types
 import uuid
 from collections.abc import Mapping, Sequence
 
@@ -45,6 +48,50 @@ UCX_ENV_DEFAULTS = {
     "NIXL_LOG_LEVEL": "WARN",  # NIXL logs every agent and backend creation at INFO
 }
 
+PROGRESS_DELAY_US = 5000
+"""Longest sleep of NIXL's progress thread between polls of its UCX worker's event fd (µs).
+NIXL's Python API always asks for 0, which makes the thread spin: `poll()` with a zero timeout
+in a loop, a whole core for the agent's life (it doubled a prefill's time on a shared core,
+benchmarks/RESULTS.md). With a timeout the thread sleeps in `poll()` and UCX's event fd wakes it
+as soon as there is work; the timeout only bounds NIXL's periodic re-check (a workaround for
+wake-ups UCX may miss). `SPLITSERVE_NIXL_PROGRESS_DELAY_US` overrides it; 0 = NIXL's spin."""
+
+_PATCH_LOCK = threading.Lock()
+
+
+def _create_agent(nixl_agent, name: str, config, delay_us: int):
+    """`nixl_agent(name, config)` with the progress thread's poll timeout at `delay_us`.
+
+    The Python API builds its `nixlAgentConfig` inside the constructor and sets `pthrDelay = 0`
+    there; for the constructor's duration its bindings module is swapped for one whose config
+    class keeps `pthrDelay` at least `delay_us` (everything else is the real module). If the
+    installed NIXL is not shaped like that, the agent is created as NIXL would (spinning)."""
+    api = sys.modules.get(nixl_agent.__module__)
+    bind = getattr(api, "nixlBind", None)
+    base = getattr(bind, "nixlAgentConfig", None)
+    field = vars(base).get("pthrDelay") if isinstance(base, type) else None
+    if delay_us <= 0 or not isinstance(field, property):
+        return nixl_agent(name, config)
+
+    class DelayedConfig(base):
+        @property
+        def pthrDelay(self):  # noqa: N802 - NIXL's name
+            return field.__get__(self)
+
+        @pthrDelay.setter
+        def pthrDelay(self, value):  # noqa: N802
+            field.__set__(self, max(int(value), delay_us))
+
+    shim = types.SimpleNamespace(**vars(bind))
+    shim.nixlAgentConfig = DelayedConfig
+    with _PATCH_LOCK:
+        api.nixlBind = shim
+        try:
+            return nixl_agent(name, config)
+        finally:
+            api.nixlBind = bind
+
+
 def _nixl_api():
     """The installed NIXL python API (`nixl-cu13` wheel, else the generic `nixl` package)."""
     try:
@@ -67,13 +114,14 @@ class NixlTransport(KVTransport):
     kind = "nixl"
 
     def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002,
-                 num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True, progress_thread: bool = True):
-        """`progress_thread`: NIXL's UCX progress thread, which spins (sched_yield) on a core for the
-        agent's life. A side that others read from needs it (UCX emulates a read over TCP with
-        messages the owner must answer, and answers connection setup); a side that only pulls does
-        not — it progresses its worker itself while it polls its own reads — so decode workers run
-        without it: on a shared core the spinning thread doubled a prefill's compute time
-        (benchmarks/RESULTS.md, 2026-12-02)."""
+                 num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True, progress_thread: bool = True,
+                 progress_delay_us: int | None = None):
+        """`progress_thread`: NIXL's UCX progress thread. A side that others read from needs it
+        (UCX emulates a read over TCP with messages the owner must answer, and answers connection
+        setup); a side that only pulls does not — it progresses its worker itself while it polls
+        its own reads — so decode workers run without it. `progress_delay_us` (default
+        `PROGRESS_DELAY_US`): the thread's poll timeout; NIXL's own 0 spins a core, which doubled
+        a prefill's compute time on a shared core (benchmarks/RESULTS.md, 2026-12-02)."""
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         nixl_agent, nixl_agent_config = _nixl_api()
@@ -81,8 +129,14 @@ class NixlTransport(KVTransport):
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    num_threads=num_threads, backends=["UCX"])
         ucx_env = {k: v for k, v in os.environ.items() if k.startswith("UCX_")}
+        if progress_delay_us is None:
+            raw = os.environ.get("SPLITSERVE_NIXL_PROGRESS_DELAY_US", "")
+            try:
+                progress_delay_us = int(raw) if raw.strip() else PROGRESS_DELAY_US
+            except ValueError:
+                raise ValueError(f"SPLITSERVE_NIXL_PROGRESS_DELAY_US must be whole microseconds, got {raw!r}") from None
         try:
-            self._agent = nixl_agent(self.name, config)
+            self._agent = _create_agent(nixl_agent, self.name, config, progress_delay_us if progress_thread else 0)
         except Exception as exc:  # e.g. nixlBackendError when UCX_TLS leaves UCX no usable transport
             raise TransferError(f"NIXL agent {self.name}: creating the UCX backend failed ({exc!r}) "
                                 f"with UCX environment {ucx_env}") from exc

@@ -106,3 +106,52 @@ def test_nixl_pull_times_out_with_a_clear_error_instead_of_hanging():
         dst_t._agent.check_xfer_state = lambda handle: "PROC"
         with pytest.raises(TransferTimeout, match=r"NIXL read from source ranks \[0, 1\] not done after 0.2s"):
             dst_t.pull(plan, 0, remote, dst_kv[0], timeout_s=0.2)
+
+
+def _thread_cpu_s(tids) -> float:
+    """User + system CPU seconds of this process's threads `tids` (Linux /proc)."""
+    import os
+
+    total = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15 of stat)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize(("delay_us", "spins"), [(None, False), (0, True)], ids=["default", "nixl-spin"])
+def test_the_progress_thread_sleeps_between_polls_unless_asked_to_spin(delay_us, spins):
+    """NIXL's Python API makes its progress thread spin (zero poll timeout); our agents give it a
+    timeout (nixl_transport.PROGRESS_DELAY_US), so an idle source costs no core. The threads the
+    agent started are measured over one idle second."""
+    import os
+    import time
+
+    from splitserve.engine.transfer.nixl_transport import NixlTransport
+
+    before = set(os.listdir("/proc/self/task"))
+    transport = NixlTransport(progress_delay_us=delay_us)
+    try:
+        started = set(os.listdir("/proc/self/task")) - before
+        assert started, "the agent started no thread"
+        cpu0 = _thread_cpu_s(started)
+        time.sleep(1.0)
+        used = _thread_cpu_s(started) - cpu0
+    finally:
+        transport.close()
+    if spins:
+        assert used > 0.3, f"NIXL's spinning thread used only {used:.2f} s of CPU in 1 s"
+    else:
+        assert used < 0.1, f"the progress thread used {used:.2f} s of CPU in an idle second"
+
+
+def test_a_bad_progress_delay_setting_is_refused_clearly(monkeypatch):
+    from splitserve.engine.transfer.nixl_transport import NixlTransport
+
+    monkeypatch.setenv("SPLITSERVE_NIXL_PROGRESS_DELAY_US", "soon")
+    with pytest.raises(ValueError, match="SPLITSERVE_NIXL_PROGRESS_DELAY_US must be whole microseconds, got 'soon'"):
+        NixlTransport()
