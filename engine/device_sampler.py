@@ -5,39 +5,72 @@ one batched call instead of one `torch.multinomial` (and its host sync) per
 row; rows that need log-probs keep the host sampler. The seed of a row is the
 runner's per-(request, position) seed, so a draw depends only on the request's
 seed and the token's position.
+
+`draw_rows` queues the draw and returns the tokens on the device without waiting
+for them: a decode step draws its sampled rows right after its logits, so the
+step can stay in flight like a greedy one (engine/step_pipeline.py). Its row
+parameters reach the device from pinned memory (a copy from pageable memory
+would wait for the stream, i.e. for the step itself).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 
 
-def draw_on_device(
-    chunks, logits: torch.Tensor, spans: list[tuple[int, int]], row_seed: Callable[[object], int]
-) -> dict[int, int]:
-    """{chunk index: token} for the rows this sampler takes; empty off CUDA."""
+def draws_without_logprobs(params) -> bool:
+    """A sampled row whose token alone is wanted: the batched sampler may draw it."""
+    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
+
+
+def _pinned(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
+def draw_rows(
+    chunks, logits: torch.Tensor, spans: list[tuple[int, int]], row_seed: Callable[[object], int],
+    picked: Sequence[int],
+) -> torch.Tensor:
+    """Tokens [len(picked)] int64 on the logits' device for chunks `picked` (each must satisfy
+    `draws_without_logprobs`), drawn from the last row of each one's span; no host sync."""
+    from splitserve import kernels
+
+    reqs = [chunks[i].request for i in picked]
+    table = _pinned([[spans[i][1] - 1, r.params.top_k, row_seed(r)] for i, r in zip(picked, reqs, strict=True)],
+                    torch.long, logits.device)
+    floats = _pinned([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32, logits.device)
+    vocab = logits.shape[1]
+    uses_k = [0 < r.params.top_k < vocab for r in reqs]
+    uses_p = [0.0 < r.params.top_p < 1.0 for r in reqs]
+    return kernels.sample_rows(
+        logits[table[:, 0]], floats[:, 0], table[:, 1], floats[:, 1], table[:, 2],
+        max_top_k=max((r.params.top_k for r, k in zip(reqs, uses_k, strict=True) if k), default=0),
+        any_top_p=any(uses_p), top_p_within_top_k=all(k or not p for k, p in zip(uses_k, uses_p, strict=True)),
+    )
+
+
+def device_drawable(chunks, logits: torch.Tensor, skip: Collection[int] = ()) -> list[int]:
+    """The chunks of a step the batched device sampler draws: none off CUDA or without Triton."""
     from splitserve import kernels
 
     if not logits.is_cuda or not kernels.triton_available():
-        return {}
-    picked = []
-    for i, chunk in enumerate(chunks):
-        params = chunk.request.params
-        if chunk.is_sample and not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs:
-            picked.append(i)
+        return []
+    return [i for i, chunk in enumerate(chunks)
+            if i not in skip and chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+
+
+def draw_on_device(
+    chunks, logits: torch.Tensor, spans: list[tuple[int, int]], row_seed: Callable[[object], int],
+    skip: Collection[int] = (),
+) -> dict[int, int]:
+    """{chunk index: token} for the rows this sampler takes (but `skip`); empty off CUDA."""
+    picked = device_drawable(chunks, logits, skip)
     if not picked:
         return {}
-    reqs = [chunks[i].request for i in picked]
-    table = torch.tensor(
-        [[spans[i][1] - 1, r.params.top_k, row_seed(r)] for i, r in zip(picked, reqs, strict=True)], dtype=torch.long
-    ).to(logits.device, non_blocking=True)
-    floats = torch.tensor([[r.params.temperature, r.params.top_p] for r in reqs], dtype=torch.float32)
-    floats = floats.to(logits.device, non_blocking=True)
-    vocab = logits.shape[1]
-    ks = [r.params.top_k for r in reqs if 0 < r.params.top_k < vocab]
-    any_p = any(0.0 < r.params.top_p < 1.0 for r in reqs)
-    tokens = kernels.sample_rows(logits[table[:, 0]], floats[:, 0], table[:, 1], floats[:, 1], table[:, 2],
-                                 max_top_k=max(ks, default=0), any_top_p=any_p)
+    tokens = draw_rows(chunks, logits, spans, row_seed, picked)
     return dict(zip(picked, tokens.tolist(), strict=True))

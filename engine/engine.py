@@ -236,7 +236,7 @@ class Engine:
         pending = self.runner.launch(out, feed=prev.pending if prev is not None else None)
         if prev is not None:  # step N+1 is queued: now wait for step N's tokens
             outputs += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
-        if pipeline.can_run_ahead(self, out):
+        if pipeline.can_run_ahead(self, out, pending):
             pipeline.advance(out)
             self._inflight = pipeline.Inflight(out, pending)
             return outputs

@@ -15,7 +15,12 @@ import torch
 
 from splitserve.engine.batch import prepare_inputs
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.device_sampler import draw_on_device
+from splitserve.engine.device_sampler import (
+    device_drawable,
+    draw_on_device,
+    draw_rows,
+    draws_without_logprobs,
+)
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
@@ -64,6 +69,9 @@ class PendingStep:
     copy (`greedy_host`, complete once `ready` has fired)."""
     greedy: torch.Tensor | None = None
     greedy_host: torch.Tensor | None = None
+    drawn: frozenset[int] = frozenset()
+    """Sampled rows already drawn at launch: their tokens stand in `greedy` in place of the
+    argmax, so the step can be fed forward like a greedy one (`_draw_at_launch`)."""
     ready: torch.cuda.Event | None = None
     layer_marks: Callable[[], None] | None = None
     """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
@@ -191,13 +199,40 @@ class ModelRunner:
         on its way to the host now, so `collect` waits for this step only — not
         for a later one queued behind it."""
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
+        drawn = self._draw_at_launch(out, logits, greedy) if self.ps.is_driver else frozenset()
         if greedy.device.type != "cuda":
-            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy)
+            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn)
         host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
         host.copy_(greedy, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready)
+        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn)
+
+    def _draw_at_launch(self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor) -> frozenset[int]:
+        """Draw a decode step's sampled rows that want no log-probs now, into `tokens` (row i =
+        chunk i), so they need neither the logits nor a host round trip at `collect` and the
+        step can run ahead (engine/step_pipeline.py). On CUDA the batched device sampler queues
+        the draw behind the step; on CPU the host sampler draws as `collect` would (the CPU
+        computes synchronously anyway). Either way the token is the one `collect` would have
+        drawn: a draw depends only on the request's seed and the token's position, and no
+        position changes between launch and collect."""
+        if tokens.is_cuda:
+            picked = device_drawable(out.chunks, logits)
+            if not picked:
+                return frozenset()
+            drawn = draw_rows(out.chunks, logits, [(i, i + 1) for i in range(len(out.chunks))], self.row_seed, picked)
+            if len(picked) == len(tokens):
+                tokens.copy_(drawn)
+            else:
+                index = torch.tensor(picked, dtype=torch.long).pin_memory().to(tokens.device, non_blocking=True)
+                tokens.index_copy_(0, index, drawn)
+            return frozenset(picked)
+        picked = [i for i, chunk in enumerate(out.chunks)
+                  if chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+        for i in picked:
+            req = out.chunks[i].request
+            tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode).token_id
+        return frozenset(picked)
 
     @torch.inference_mode()
     def collect(self, step: PendingStep) -> list[ChunkResult]:
@@ -210,7 +245,7 @@ class ModelRunner:
                 if step.ready is not None:
                     step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
-                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host)
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn)
             elif step.hidden is not None:
                 results = self._sample(step.out, step.hidden)
         return self.ps.broadcast_from_driver(results)
@@ -231,24 +266,28 @@ class ModelRunner:
         return self._sample_logits(out, logits, spans)
 
     def _sample_logits(
-        self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None
+        self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
+        drawn: frozenset[int] = frozenset(),
     ) -> list[ChunkResult]:
         """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
-        `greedy`: their argmax when the step already computed it (a CUDA graph)."""
+        `greedy`: their argmax when the step already computed it (a CUDA graph), with the
+        tokens of the `drawn` chunks' rows drawn at launch in place of theirs."""
         # Plain greedy rows (the common case) share one argmax and one host sync.
         if greedy is None and logits is not None:
             greedy = logits.argmax(dim=-1)
         greedy = greedy.tolist() if greedy is not None else []
-        drawn = draw_on_device(out.chunks, logits, spans, self.row_seed) if logits is not None else {}
+        drawn_now = draw_on_device(out.chunks, logits, spans, self.row_seed, drawn) if logits is not None else {}
         results = []
         for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
             sample = None
             params = req.params
-            if chunk.is_sample and params.is_greedy and not params.return_log_probs and not params.top_n_logprobs:
+            if i in drawn or (
+                chunk.is_sample and params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
+            ):
                 sample = SampleResult(greedy[last - 1])
-            elif i in drawn:
-                sample = SampleResult(drawn[i])
+            elif i in drawn_now:
+                sample = SampleResult(drawn_now[i])
             elif chunk.is_sample:
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode)
             plp: list[float] = []

@@ -15,8 +15,9 @@ prefix-cache registration (which hashes token ids) waits for the real token.
 Scheduling ahead is safe only when it cannot change which requests run, so
 `Engine.step` keeps a step in flight only when
 
-- it is decode-only, every running request is in it, and all sample greedily
-  without log-probs (their token is the argmax the step already computed);
+- it is decode-only, every running request is in it, and none wants log-probs:
+  each row's token is then already on the device — the argmax the step computed,
+  or for a sampled row the draw queued right behind it (`ModelRunner._draw_at_launch`);
 - nothing waits for admission and the pool has a free block for each request
   (no preemption can hit a request that holds a placeholder);
 - the engine is one rank, not a prefill engine (prefill requests end after one
@@ -44,15 +45,16 @@ class Inflight:
     """The runner's `PendingStep`; `.greedy` holds the tokens on the device."""
 
 
-def can_run_ahead(engine, out) -> bool:
-    """May `out` stay in flight while the next step is scheduled?"""
+def can_run_ahead(engine, out, pending) -> bool:
+    """May `out` stay in flight while the next step is scheduled? `pending`: the runner's
+    `PendingStep` of `out` (its `drawn` rows had their sampled token drawn at launch)."""
     if not engine.async_scheduling or engine.ps.world_size != 1 or engine.config.role == "prefill":
         return False
     sched = engine.scheduler
     if sched.waiting or not out.chunks:
         return False
     alive = 0
-    for chunk in out.chunks:
+    for i, chunk in enumerate(out.chunks):
         req = chunk.request
         if req.status.is_finished:
             continue
@@ -60,7 +62,7 @@ def can_run_ahead(engine, out) -> bool:
         params = req.params
         if chunk.num_tokens != 1 or not chunk.is_sample:
             return False
-        if not params.is_greedy or params.return_log_probs or params.top_n_logprobs:
+        if params.return_log_probs or params.top_n_logprobs or not (params.is_greedy or i in pending.drawn):
             return False
     return alive > 0 and alive == len(sched.running) and engine.pool.num_available >= alive
 

@@ -38,11 +38,14 @@ def _run(ckpt, prompts, params, **options):
     [
         [SamplingParams(num_tokens_to_generate=n, temperature=0.0, ignore_eos=True) for n in (1, 5, 17, 9, 2, 30)],
         "eos",  # requests ending on their termination id at different steps (see below)
-        # a sampled request among greedy ones: the engine does not run ahead while it runs
+        # a sampled request among greedy ones: drawn at launch, it runs ahead with them
         [SamplingParams(num_tokens_to_generate=12, temperature=0.8, seed=4, ignore_eos=True)]
         + [SamplingParams(num_tokens_to_generate=12, temperature=0.0, ignore_eos=True)] * 5,
+        # log-probs are computed from the logits at collect: such a step is not run ahead
+        [SamplingParams(num_tokens_to_generate=7, temperature=0.8, seed=5, ignore_eos=True, return_log_probs=True)]
+        + [SamplingParams(num_tokens_to_generate=9, temperature=0.7, top_k=20, seed=6, ignore_eos=True)] * 5,
     ],
-    ids=["lengths", "eos", "mixed-sampling"],
+    ids=["lengths", "eos", "mixed-sampling", "logprobs"],
 )
 def test_async_scheduling_matches_plain(llama_ckpt, params):
     prompts = _prompts(6)
@@ -59,6 +62,59 @@ def test_async_scheduling_matches_plain(llama_ckpt, params):
     if any(p.termination_id is not None for p in params):
         assert sum(status == "stopped" for _, status in plain) >= 4
     assert llm.engine.async_scheduling
+
+
+def _count_run_ahead(engine) -> list[bool]:
+    """Wrap `engine.step` to record, per step, whether it left a step in flight."""
+    seen: list[bool] = []
+    step = engine.step
+
+    def counted():
+        outputs = step()
+        seen.append(engine._inflight is not None)
+        return outputs
+
+    engine.step = counted
+    return seen
+
+
+@pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (30, 0.9), (0, 0.8)])
+def test_sampled_requests_run_ahead_with_the_plain_engines_tokens(llama_ckpt, top_k, top_p):
+    prompts = _prompts(4, seed=2)
+    params = [SamplingParams(num_tokens_to_generate=10 + i, temperature=0.9, top_k=top_k, top_p=top_p, seed=10 + i,
+                             ignore_eos=True) for i in range(4)]
+    _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False)
+    llm = LLM(str(llama_ckpt), **OPTIONS, async_scheduling=True)
+    ahead_steps = _count_run_ahead(llm.engine)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        llm.engine.add_request(f"r{i}", prompt, p)
+    final = {}
+    while llm.engine.has_unfinished():
+        for out in llm.engine.step():
+            if out.result is not None and out.result.is_finished:
+                final[out.request_id] = (out.result.generated_tokens, out.result.status)
+    assert [final[f"r{i}"] for i in range(4)] == plain
+    assert sum(ahead_steps) >= 8, ahead_steps  # sampled decode steps stayed in flight
+    assert len({tuple(tokens) for tokens, _ in plain}) == 4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device sampler and CUDA graphs need a GPU")
+def test_sampled_decode_runs_ahead_on_the_gpu_with_the_plain_engines_tokens(tmp_path):
+    from tests.fixtures.models import build_hf_checkpoint
+
+    build_hf_checkpoint(tmp_path, "llama")
+    options = dict(device="cuda", block_size_tokens=16, num_blocks=256, max_tokens=256)
+    prompts = _prompts(5, seed=3)
+    params = [SamplingParams(num_tokens_to_generate=24, temperature=0.8, top_k=(0, 40)[i % 2], top_p=(0.0, 0.9)[i % 2],
+                             seed=i, ignore_eos=True) for i in range(4)]
+    params.append(SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True))
+    runs = {}
+    for async_on in (False, True):
+        llm = LLM(str(tmp_path), enable_cuda_graphs=True, async_scheduling=async_on, **options)
+        ahead_steps = _count_run_ahead(llm.engine)
+        runs[async_on] = [r.generated_tokens for r in llm.generate(prompts, params)]
+        assert (sum(ahead_steps) >= 16) == async_on, ahead_steps
+    assert runs[True] == runs[False]
 
 
 def test_async_scheduling_keeps_steps_in_flight_and_aborts_cleanly(llama_ckpt):

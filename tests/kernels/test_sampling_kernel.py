@@ -71,3 +71,28 @@ def test_rejects_bad_shapes(device):
     t, k, p = _params(2, device=device)
     with pytest.raises(ValueError, match="expected"):
         sample_rows(torch.zeros(1, 8, device=device), t, k, p, torch.zeros(1, dtype=torch.long, device=device))
+
+
+def test_threshold_path_draws_what_the_masked_path_draws(device):
+    """With the flags given (and every top-p row also top-k), the draw masks by per-row
+    thresholds as it reads the logits; it must draw exactly what the masked-logits path draws,
+    also for a subset of rows picked by `rows`."""
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 3000, generator=g).to(device)
+    t = torch.tensor([0.7, 1.0, 1.3, 0.9, 1.1, 0.5], device=device)
+    k = torch.tensor([0, 5, 40, 0, 100, 1], device=device)
+    p = torch.tensor([0.0, 0.0, 0.8, 0.0, 0.95, 0.0], device=device)
+    seeds = torch.arange(6, device=device) * 31
+    for s in range(4):
+        fast = sample_rows(logits, t, k, p, seeds + s, max_top_k=100, any_top_p=True, top_p_within_top_k=True)
+        masked = sample_rows(logits, t, k, p, seeds + s)  # flags read back: masks first
+        assert torch.equal(fast, masked), (s, fast, masked)
+        assert int(fast[5]) == int(logits[5].argmax())  # top-k 1
+    rows = torch.tensor([4, 1, 2], device=device)
+    got = sample_rows(logits, t[rows], k[rows], p[rows], seeds[rows], max_top_k=100, any_top_p=True,
+                      top_p_within_top_k=True, rows=rows)
+    assert torch.equal(got, sample_rows(logits, t, k, p, seeds)[rows])
+    plain = torch.zeros(6, dtype=torch.long, device=device)  # temperature only: no topk, no thresholds
+    got = sample_rows(logits, t, plain, plain.float(), seeds, max_top_k=0, any_top_p=False, top_p_within_top_k=True)
+    assert torch.equal(got, sample_rows(logits, t, plain, plain.float(), seeds))
+    assert len(set(got.tolist())) > 1
