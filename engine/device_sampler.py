@@ -48,7 +48,7 @@ def draw_rows(
     uses_k = [0 < r.params.top_k < vocab for r in reqs]
     uses_p = [0.0 < r.params.top_p < 1.0 for r in reqs]
     return kernels.sample_rows(
-        logits[table[:, 0]], floats[:, 0], table[:, 1], floats[:, 1], table[:, 2],
+        logits, floats[:, 0], table[:, 1], floats[:, 1], table[:, 2], rows=table[:, 0],
         max_top_k=max((r.params.top_k for r, k in zip(reqs, uses_k, strict=True) if k), default=0),
         any_top_p=any(uses_p), top_p_within_top_k=all(k or not p for k, p in zip(uses_k, uses_p, strict=True)),
     )

@@ -145,6 +145,11 @@ def sample_rows(
     out = torch.empty(n, dtype=torch.long, device=logits.device)
     if n == 0:
         return out
+    # The kernels index these by row: a strided view (a column of a parameter table) would be
+    # read as if it were contiguous — every row but the first with another row's values.
+    temperature, top_k, top_p, seeds = (v.contiguous() for v in (temperature, top_k, top_p, seeds))
+    if rows is not None:
+        rows = rows.contiguous()
     vocab = logits.shape[1]
     known = max_top_k is not None and any_top_p is not None and top_p_within_top_k is not None
     temperature = temperature.float()

@@ -9,7 +9,7 @@ import torch
 from splitserve import LLM, SamplingParams
 from splitserve.engine import step_pipeline
 
-OPTIONS = dict(block_size_tokens=4, num_blocks=96, max_tokens=64)
+OPTIONS = dict(device="cpu", block_size_tokens=4, num_blocks=96, max_tokens=64)
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -17,10 +17,26 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
     return [torch.randint(3, 500, (int(torch.randint(1, 23, (1,), generator=g)),), generator=g).tolist() for _ in range(n)]
 
 
+def _count_run_ahead(engine) -> list[bool]:
+    """Wrap `engine.step` to record, per step, whether it left a step in flight."""
+    seen: list[bool] = []
+    step = engine.step
+
+    def counted():
+        outputs = step()
+        seen.append(engine._inflight is not None)
+        return outputs
+
+    engine.step = counted
+    return seen
+
+
 def _run(ckpt, prompts, params, **options):
-    """Each prompt with its own params through `Engine.step`; (tokens, status) per request."""
-    llm = LLM(str(ckpt), **OPTIONS, **options)
+    """Each prompt with its own params through `Engine.step`; (tokens, status) per request.
+    `llm.ahead_steps`: per step, whether it left a step in flight."""
+    llm = LLM(str(ckpt), **{**OPTIONS, **options})
     engine = llm.engine
+    llm.ahead_steps = _count_run_ahead(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
     final = {}
@@ -64,57 +80,30 @@ def test_async_scheduling_matches_plain(llama_ckpt, params):
     assert llm.engine.async_scheduling
 
 
-def _count_run_ahead(engine) -> list[bool]:
-    """Wrap `engine.step` to record, per step, whether it left a step in flight."""
-    seen: list[bool] = []
-    step = engine.step
-
-    def counted():
-        outputs = step()
-        seen.append(engine._inflight is not None)
-        return outputs
-
-    engine.step = counted
-    return seen
-
-
 @pytest.mark.parametrize("top_k,top_p", [(0, 0.0), (30, 0.9), (0, 0.8)])
 def test_sampled_requests_run_ahead_with_the_plain_engines_tokens(llama_ckpt, top_k, top_p):
     prompts = _prompts(4, seed=2)
     params = [SamplingParams(num_tokens_to_generate=10 + i, temperature=0.9, top_k=top_k, top_p=top_p, seed=10 + i,
                              ignore_eos=True) for i in range(4)]
     _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False)
-    llm = LLM(str(llama_ckpt), **OPTIONS, async_scheduling=True)
-    ahead_steps = _count_run_ahead(llm.engine)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        llm.engine.add_request(f"r{i}", prompt, p)
-    final = {}
-    while llm.engine.has_unfinished():
-        for out in llm.engine.step():
-            if out.result is not None and out.result.is_finished:
-                final[out.request_id] = (out.result.generated_tokens, out.result.status)
-    assert [final[f"r{i}"] for i in range(4)] == plain
-    assert sum(ahead_steps) >= 8, ahead_steps  # sampled decode steps stayed in flight
+    llm, ahead = _run(llama_ckpt, prompts, params, async_scheduling=True)
+    assert ahead == plain
+    assert sum(llm.ahead_steps) >= 8, llm.ahead_steps  # sampled decode steps stayed in flight
     assert len({tuple(tokens) for tokens, _ in plain}) == 4
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device sampler and CUDA graphs need a GPU")
-def test_sampled_decode_runs_ahead_on_the_gpu_with_the_plain_engines_tokens(tmp_path):
-    from tests.fixtures.models import build_hf_checkpoint
-
-    build_hf_checkpoint(tmp_path, "llama")
-    options = dict(device="cuda", block_size_tokens=16, num_blocks=256, max_tokens=256)
+def test_sampled_decode_runs_ahead_on_the_gpu_with_the_plain_engines_tokens(llama_ckpt):
     prompts = _prompts(5, seed=3)
     params = [SamplingParams(num_tokens_to_generate=24, temperature=0.8, top_k=(0, 40)[i % 2], top_p=(0.0, 0.9)[i % 2],
                              seed=i, ignore_eos=True) for i in range(4)]
     params.append(SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True))
-    runs = {}
-    for async_on in (False, True):
-        llm = LLM(str(tmp_path), enable_cuda_graphs=True, async_scheduling=async_on, **options)
-        ahead_steps = _count_run_ahead(llm.engine)
-        runs[async_on] = [r.generated_tokens for r in llm.generate(prompts, params)]
-        assert (sum(ahead_steps) >= 16) == async_on, ahead_steps
-    assert runs[True] == runs[False]
+    gpu = dict(device="cuda", enable_cuda_graphs=True, block_size_tokens=16, num_blocks=64)
+    _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False, **gpu)
+    llm, ahead = _run(llama_ckpt, prompts, params, async_scheduling=True, **gpu)
+    assert ahead == plain
+    assert sum(llm.ahead_steps) >= 16, llm.ahead_steps
+    assert llm.engine.runner.graphs is not None
 
 
 def test_async_scheduling_keeps_steps_in_flight_and_aborts_cleanly(llama_ckpt):

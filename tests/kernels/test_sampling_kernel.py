@@ -96,3 +96,21 @@ def test_threshold_path_draws_what_the_masked_path_draws(device):
     got = sample_rows(logits, t, plain, plain.float(), seeds, max_top_k=0, any_top_p=False, top_p_within_top_k=True)
     assert torch.equal(got, sample_rows(logits, t, plain, plain.float(), seeds))
     assert len(set(got.tolist())) > 1
+
+
+def test_parameter_columns_of_one_table_draw_as_separate_tensors(device):
+    """The engine passes columns of one [N, 3] table (strided views): each row must get its
+    own seed, top-k and logits row, as with separate contiguous tensors."""
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(5, 2000, generator=g).to(device)
+    table = torch.tensor([[4, 3, 101], [0, 0, 202], [2, 8, 303], [1, 0, 404]], device=device)
+    temps = torch.tensor([0.9, 1.0, 1.1, 0.8], device=device)
+    flags = dict(max_top_k=8, any_top_p=False, top_p_within_top_k=True)
+    zeros = torch.zeros(4, device=device)
+    got = sample_rows(logits, temps, table[:, 1], zeros, table[:, 2], rows=table[:, 0], **flags)
+    want = sample_rows(logits[table[:, 0].clone()], temps, table[:, 1].clone(), zeros, table[:, 2].clone(), **flags)
+    assert torch.equal(got, want)
+    for row, seed in enumerate(table[:, 2].tolist()):  # each row drawn alone with its own seed
+        alone = sample_rows(logits[table[row, 0]][None], temps[row:row + 1], table[row:row + 1, 1].clone(),
+                            zeros[:1], torch.tensor([seed], device=device), **flags)
+        assert int(alone[0]) == int(got[row])
