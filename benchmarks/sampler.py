@@ -12,19 +12,13 @@ temperature alone; and `torch.argmax` (greedy) for scale.
 from __future__ import annotations
 
 import argparse
-import time
+import sys
+from pathlib import Path
 
 import torch
 
-
-def _time(fn, iters: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
+sys.path.insert(0, str(Path(__file__).parent))
+from kernels import eager_latency  # noqa: E402
 
 
 def _cases(n: int, vocab: int) -> list:
@@ -60,7 +54,7 @@ def main() -> None:
     for n in (int(b) for b in args.batches.split(",")):
         base = None
         for name, fn in _cases(n, args.vocab):
-            took = _time(fn, args.iters)
+            took = eager_latency(fn, args.iters)
             base = base or took
             print(f"{n:>5} {name:<38} {took * 1e6:>9.1f} {took / base:>17.2f}")
 
