@@ -20,12 +20,14 @@ request owns. Graphs bake in the KV tensors' addresses: a lifecycle suspend
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata
+from splitserve.engine.sampler_graphs import SamplerGraphs
 
 
 @dataclass
@@ -43,6 +45,8 @@ class _Static:
     logits: torch.Tensor | None = None
     greedy: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    sampler: SamplerGraphs | None = None
+    """Captured sampler draws over `logits` (engine/sampler_graphs.py), made on first use."""
 
 
 def _fields(buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
@@ -83,6 +87,9 @@ class DecodeGraphs:
         self.block_buckets = context_buckets(max_blocks, block_size)
         self._static: dict[tuple[int, int], _Static] = {}
         self._pool = None
+        self._last: _Static | None = None
+        self.sampler_graphs = os.environ.get("SPLITSERVE_SAMPLER_GRAPHS", "1") != "0"
+        """Draw sampled rows from captured sampler graphs (`draw`); 0 = eager draws."""
 
     @property
     def max_batch(self) -> int:
@@ -126,12 +133,24 @@ class DecodeGraphs:
         if fed is not None:  # input ids still on the device (async scheduling): rows align
             static.buffer[:batch].copy_(fed)
         static.graph.replay()
+        self._last = static
         return static.logits[:batch], static.greedy[:batch]
+
+    def draw(self, chunks, picked: list[int], row_seed) -> torch.Tensor | None:
+        """The sampled tokens of chunks `picked` of the step just launched, drawn by a captured
+        sampler graph over its logits (engine/sampler_graphs.py); None: draw them eagerly."""
+        static = self._last
+        if static is None or not self.sampler_graphs:
+            return None
+        if static.sampler is None:
+            static.sampler = SamplerGraphs(static.logits)
+        return static.sampler.draw(chunks, picked, row_seed)
 
     def reset(self) -> None:
         """Drop every graph (their KV pointers are about to change); re-captured on use."""
         self._static.clear()
         self._pool = None
+        self._last = None
 
     def _get(self, bucket: int, width: int) -> _Static:
         static = self._static.get((bucket, width))

@@ -159,7 +159,7 @@ class ModelRunner:
         fed = feed.greedy[: len(out.chunks)] if feed is not None else None
         if self.graphs is not None and self.graphs.can_run(out):
             logits, greedy = self.graphs.launch(out, fed)
-            return self._decode_pending(out, logits, greedy)
+            return self._decode_pending(out, logits, greedy, graphed=True)
         inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device)
         if fed is not None:
             inputs.input_ids[: len(fed)].copy_(fed)
@@ -194,12 +194,14 @@ class ModelRunner:
             return self._decode_pending(out, logits, logits.argmax(dim=-1))
         return PendingStep(out, hidden=hidden)
 
-    def _decode_pending(self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor) -> PendingStep:
+    def _decode_pending(
+        self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor, graphed: bool = False
+    ) -> PendingStep:
         """A decode step's logits (one row per sequence) and argmax, with the argmax
         on its way to the host now, so `collect` waits for this step only — not
         for a later one queued behind it."""
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
-        drawn = self._draw_at_launch(out, logits, greedy) if self.ps.is_driver else frozenset()
+        drawn = self._draw_at_launch(out, logits, greedy, graphed) if self.ps.is_driver else frozenset()
         if greedy.device.type != "cuda":
             return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn)
         host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
@@ -208,19 +210,25 @@ class ModelRunner:
         ready.record()
         return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn)
 
-    def _draw_at_launch(self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor) -> frozenset[int]:
+    def _draw_at_launch(
+        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False
+    ) -> frozenset[int]:
         """Draw a decode step's sampled rows that want no log-probs now, into `tokens` (row i =
         chunk i), so they need neither the logits nor a host round trip at `collect` and the
         step can run ahead (engine/step_pipeline.py). On CUDA the batched device sampler queues
         the draw behind the step; on CPU the host sampler draws as `collect` would (the CPU
         computes synchronously anyway). Either way the token is the one `collect` would have
         drawn: a draw depends only on the request's seed and the token's position, and no
-        position changes between launch and collect."""
+        position changes between launch and collect. `graphed`: the logits are the decode graph's
+        buffer, so a captured sampler graph may draw them (engine/sampler_graphs.py)."""
         if tokens.is_cuda:
             picked = device_drawable(out.chunks, logits)
             if not picked:
                 return frozenset()
-            drawn = draw_rows(out.chunks, logits, [(i, i + 1) for i in range(len(out.chunks))], self.row_seed, picked)
+            drawn = self.graphs.draw(out.chunks, picked, self.row_seed) if graphed else None
+            if drawn is None:
+                spans = [(i, i + 1) for i in range(len(out.chunks))]
+                drawn = draw_rows(out.chunks, logits, spans, self.row_seed, picked)
             if len(picked) == len(tokens):
                 tokens.copy_(drawn)
             else:

@@ -34,8 +34,11 @@ def _count_run_ahead(engine) -> list[bool]:
 def _run(ckpt, prompts, params, **options):
     """Each prompt with its own params through `Engine.step`; (tokens, status) per request.
     `llm.ahead_steps`: per step, whether it left a step in flight."""
+    sampler_graphs = options.pop("sampler_graphs", True)
     llm = LLM(str(ckpt), **{**OPTIONS, **options})
     engine = llm.engine
+    if engine.runner.graphs is not None:
+        engine.runner.graphs.sampler_graphs = sampler_graphs
     llm.ahead_steps = _count_run_ahead(engine)
     for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"r{i}", prompt, p)
@@ -99,9 +102,10 @@ def test_sampled_decode_runs_ahead_on_the_gpu_with_the_plain_engines_tokens(llam
                              seed=i, ignore_eos=True) for i in range(4)]
     params.append(SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True))
     gpu = dict(device="cuda", enable_cuda_graphs=True, block_size_tokens=16, num_blocks=64)
-    _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False, **gpu)
+    _, plain = _run(llama_ckpt, prompts, params, async_scheduling=False, sampler_graphs=False, **gpu)
     llm, ahead = _run(llama_ckpt, prompts, params, async_scheduling=True, **gpu)
-    assert ahead == plain
+    assert ahead == plain  # run ahead with graphed draws = plain steps with eager draws
+    assert llm.engine.runner.graphs._last.sampler._draws  # the draws did come from sampler graphs
     assert sum(llm.ahead_steps) >= 16, llm.ahead_steps
     assert llm.engine.runner.graphs is not None
 
