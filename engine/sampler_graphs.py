@@ -60,6 +60,7 @@ class SamplerGraphs:
     logits: torch.Tensor
     _draws: dict[tuple[int, int, bool], _Draw] = field(default_factory=dict)
 
+    @torch.inference_mode()  # the buffers are made under it (`_capture`), as the engine's steps run
     def draw(self, chunks, picked: Sequence[int], row_seed: Callable[[object], int]) -> torch.Tensor | None:
         """Tokens [len(picked)] on the device for chunks `picked` (row i of the logits = chunk
         i), queued on the current stream; None when this draw is not graphed."""
