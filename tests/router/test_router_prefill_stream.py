@@ -118,6 +118,9 @@ async def test_a_prefill_failing_after_its_preview_is_retried_and_the_decode_wor
     p0, p1, d0 = PrefillDouble("p0"), PrefillDouble("p1"), DecodeDouble("d0")
     for double in (p0, p1):
         double.send_preview = True
+        # the forward pass after the preview: long enough for each attempt's Prefetch to reach d0
+        # (a second preview cancels the first attempt's call, which may then never arrive)
+        double.after_preview_s = 0.3
     failing = [grpc.StatusCode.UNAVAILABLE]
     p0.fail_after_preview = p1.fail_after_preview = failing  # shared: only the first attempt fails
     d0.prefetch_accepts = False  # a declined prefetch changes nothing for the client
