@@ -36,15 +36,21 @@ class _Static:
 
         [ids (B) | positions (B) | slots (B) | ctx_lens (B) | tables (B x context bucket blocks)]
 
-    filled by one non-blocking copy from a pinned host twin per step."""
+    filled by one non-blocking copy from a pinned host twin per step. The twins alternate: with
+    async scheduling step N + 1 is launched before step N is collected, so the copy of step N
+    may not have run yet when step N + 1 fills its inputs (another process time-slicing the GPU
+    can hold it back for milliseconds); the twin step N + 1 writes is the one of step N - 1,
+    whose tokens — queued after its copy — were waited for before step N + 1 was scheduled."""
 
     buffer: torch.Tensor
-    host: torch.Tensor
+    hosts: tuple[torch.Tensor, torch.Tensor]
     template: torch.Tensor
     """Host buffer of an all-padding batch; each step starts from a copy of it."""
     logits: torch.Tensor | None = None
     greedy: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    turn: int = 0
+    """The host twin the next step fills."""
     sampler: SamplerGraphs | None = None
     """Captured sampler draws over `logits` (engine/sampler_graphs.py), made on first use."""
 
@@ -117,7 +123,8 @@ class DecodeGraphs:
         longest = max(c.start for c in chunks) // bs + 1
         static = self._get(next(b for b in self.buckets if b >= batch), next(w for w in self.block_buckets if w >= longest))
         bucket = static.logits.shape[0]
-        host = static.host
+        host = static.hosts[static.turn]
+        static.turn ^= 1
         host.copy_(static.template)
         ids, positions, slots, ctx_lens, tables = (v.numpy() for v in _fields(host, bucket))
         for i, chunk in enumerate(chunks):
@@ -171,7 +178,8 @@ class DecodeGraphs:
     def _capture(self, bucket: int, width: int) -> _Static:
         device = self.kv_caches[0].device
         template = self._padding(bucket, width)
-        static = _Static(template.to(device), torch.empty_like(template).pin_memory(), template)
+        hosts = (torch.empty_like(template).pin_memory(), torch.empty_like(template).pin_memory())
+        static = _Static(template.to(device), hosts, template)
         ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
         meta = AttentionMetadata(
             slot_mapping=slots,
