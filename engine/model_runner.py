@@ -325,7 +325,8 @@ class ModelRunner:
                 seed = self._base_seeds[req.request_id] = int(
                     torch.randint(0, 2**62, (1,), generator=self._seed_source)
                 )
-        return (seed * 0x9E3779B97F4A7C15 + len(req.output_token_ids) * 0xBF58476D1CE4E5B9) % (2**63 - 1)
+        position = req.params.output_offset + len(req.output_token_ids)  # a resumed stream goes on counting
+        return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2**63 - 1)
 
     def forget(self, request_id: str) -> None:
         self._base_seeds.pop(request_id, None)

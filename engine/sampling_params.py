@@ -40,6 +40,9 @@ class SamplingParams:
     """Prepend the tokenizer's BOS token when the prompt is text."""
     ignore_eos: bool = False
     """Keep generating past EOS (benchmarks)."""
+    output_offset: int = 0
+    """Tokens at the end of the prompt that were generated earlier (a stream resumed elsewhere):
+    sampling positions go on after them, so a seeded request draws what it would have drawn."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -67,6 +70,8 @@ class SamplingParams:
             raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
         if self.termination_id is not None and (not _is_int(self.termination_id) or self.termination_id < 0):
             raise ValueError(f"termination_id must be a non-negative token id, got {self.termination_id!r}")
+        if not _is_int(self.output_offset) or self.output_offset < 0:
+            raise ValueError(f"output_offset must be an integer >= 0, got {self.output_offset!r}")
         if not _is_int(self.top_n_logprobs) or not 0 <= self.top_n_logprobs <= 20:
             raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
         for word in self.stop_words:

@@ -38,6 +38,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         return_log_probs=msg.return_log_probs,
         skip_prompt_log_probs=True,
         top_n_logprobs=msg.top_n_logprobs,
+        output_offset=msg.output_offset,
     )
 
 
@@ -51,6 +52,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         stop_words=list(p.stop_words),
         return_log_probs=p.return_log_probs,
         top_n_logprobs=p.top_n_logprobs,
+        output_offset=p.output_offset,
     )
     if p.seed is not None:
         msg.seed = p.seed

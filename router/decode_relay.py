@@ -4,8 +4,9 @@
       │ failed before its first token: retry on another decode worker, with the same
       │ handoff if the worker failed unreachable before any chunk and the pin is still
       │ leased, else recomputed there: prompt + first token, one token less to generate
-      │ failed after tokens went out: greedy without stop words → resumed on another
-      │ decode worker from prompt + every token sent; otherwise UNAVAILABLE, "retry the request"
+      │ failed after tokens went out: without stop words → resumed on another decode worker
+      │ from prompt + every token sent (sampling positions, hence seeds, counted on past them);
+      │ with stop words UNAVAILABLE, "retry the request"
 
 Each attempt has deadlines for its first chunk and between chunks (stream_deadlines.py),
 and a worker that failed UNAVAILABLE or DEADLINE_EXCEEDED becomes a suspect (suspects.py).
@@ -154,7 +155,7 @@ class DecodeRelay:
                     raise
                 run.decode_worker_id = pick.worker_id
                 run.reason += f"; decode on {e.worker_id} failed ({e.code.name})"
-                if has_output:  # greedy: go on from what was sent, recomputed on the next worker
+                if has_output:  # go on from what was sent, recomputed on the next worker
                     sent = Tokens(tuple(run.sent_token_ids))
                     if len(sent.token_ids) >= run.request.sampling_params.num_tokens_to_generate:
                         yield _last(run, Tokens(), FinishReason.LENGTH)

@@ -37,6 +37,8 @@ class SamplingParams:
     stop_words: tuple[str, ...] = ()
     return_log_probs: bool = False
     top_n_logprobs: int = 0
+    output_offset: int = 0
+    """Generated tokens at the end of the prompt (set on a resumed stream's continuation)."""
 
     def __post_init__(self) -> None:
         value = self.num_tokens_to_generate
@@ -44,6 +46,8 @@ class SamplingParams:
             raise ValueError(f"num_tokens_to_generate must be a positive integer, got {value!r}")
         if self.top_n_logprobs < 0:
             raise ValueError(f"top_n_logprobs must be >= 0, got {self.top_n_logprobs!r}")
+        if self.output_offset < 0:
+            raise ValueError(f"output_offset must be >= 0, got {self.output_offset!r}")
 
 
 @dataclass(frozen=True)

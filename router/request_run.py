@@ -121,17 +121,20 @@ def is_handoff_reusable(code: grpc.StatusCode, lease_deadline_unix_ms: int, now_
 
 
 def can_resume(request: GenerateRequest) -> bool:
-    """May a stream that broke after tokens went out go on elsewhere from what was sent? Only when
-    greedy and without stop words: the recomputed continuation is then the one the broken worker
-    would have produced (sampled tokens would follow other seeds; a stop word could straddle the
-    break, where the next worker would not see it)."""
-    params = request.sampling_params
-    return params.temperature == 0 and not params.stop_words
+    """May a stream that broke after tokens went out go on elsewhere from what was sent? Only
+    without stop words (one could straddle the break, where the next worker would not see it).
+    The continuation is the one the broken worker would have produced: greedy tokens are, and a
+    sampled token's seed is its (request seed, output position), the position counted on past
+    the sent tokens (`continuation` sets `output_offset`); a request without a seed goes on
+    with the next worker's own, as any unseeded draw may."""
+    return not request.sampling_params.stop_words
 
 
 def continuation(request: GenerateRequest, sent: Tokens) -> GenerateRequest:
     """What a decode worker prefills itself to go on after `sent`: the prompt plus the tokens already
-    sent, with that many fewer to generate (the budget must leave at least one)."""
+    sent, with that many fewer to generate (the budget must leave at least one), its sampling
+    positions counted on past them (`output_offset`)."""
     params = request.sampling_params
-    params = replace(params, num_tokens_to_generate=params.num_tokens_to_generate - len(sent.token_ids))
+    params = replace(params, num_tokens_to_generate=params.num_tokens_to_generate - len(sent.token_ids),
+                     output_offset=params.output_offset + len(sent.token_ids))
     return replace(request, token_ids=request.token_ids + sent.token_ids, sampling_params=params)

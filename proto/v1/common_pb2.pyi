@@ -28,7 +28,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs")
+    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset")
     NUM_TOKENS_TO_GENERATE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,7 @@ class SamplingParams(_message.Message):
     STOP_WORDS_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     num_tokens_to_generate: int
     temperature: float
     top_k: int
@@ -47,7 +48,8 @@ class SamplingParams(_message.Message):
     stop_words: _containers.RepeatedScalarFieldContainer[str]
     return_log_probs: bool
     top_n_logprobs: int
-    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ...) -> None: ...
+    output_offset: int
+    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

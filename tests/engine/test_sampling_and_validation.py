@@ -23,6 +23,19 @@ def test_seeded_sampling_is_reproducible_and_varies_with_the_seed(llm):
     assert a == b and a != c
 
 
+def test_a_continuation_counting_on_past_the_sent_tokens_draws_what_the_unbroken_run_drew(llm):
+    """A stream resumed elsewhere (router: prompt + the tokens sent, `output_offset` = their count)
+    samples each later token with the seed of its position in the whole output."""
+    prompt = [5, 6, 7, 8, 9]
+    p = dict(temperature=1.5, seed=3, ignore_eos=True)
+    full = llm.generate([prompt], SamplingParams(num_tokens_to_generate=14, **p))[0].generated_tokens
+    sent = full[:6]
+    rest = llm.generate([prompt + sent], SamplingParams(num_tokens_to_generate=8, output_offset=6, **p))[0]
+    assert rest.generated_tokens == full[6:]
+    restarted = llm.generate([prompt + sent], SamplingParams(num_tokens_to_generate=8, **p))[0]
+    assert restarted.generated_tokens != full[6:]  # positions from 0: other seeds, other draws
+
+
 def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     prompt = [9, 10, 11]
     greedy = llm.generate([prompt], SamplingParams(num_tokens_to_generate=10, temperature=0.0, ignore_eos=True))[0]
@@ -73,6 +86,7 @@ def test_termination_id_and_token_limits(llm):
         (dict(num_tokens_to_generate=0), "num_tokens_to_generate must be a positive integer, got 0"),
         (dict(num_tokens_total=5), "mutually exclusive"),
         (dict(seed=-1), "seed must be a non-negative integer"),
+        (dict(output_offset=-1), "output_offset must be an integer >= 0, got -1"),
         (dict(top_n_logprobs=50), "top_n_logprobs must be an integer in \\[0, 20\\]"),
         (dict(stop_words=[""]), "stop_words must be non-empty strings"),
         (dict(temperature=float("nan")), "temperature must be a finite number"),

@@ -95,20 +95,20 @@ async def test_decode_worker_silent_after_its_first_chunk_is_retried_by_recomput
     assert routing.num_decode_attempts == 2 and "decode on d0 failed (DEADLINE_EXCEEDED)" in routing.reason
 
 
-async def test_sampled_stream_broken_after_tokens_fails_unavailable_with_advice():
+async def test_stream_with_stop_words_broken_after_tokens_fails_unavailable_with_advice():
     p0, d0, d1 = PrefillDouble("p0"), DecodeDouble("d0"), DecodeDouble("d1")
     d0.hold_after_first, d0.hold_after_index = asyncio.Event(), 2
     d1.hold_after_first, d1.hold_after_index = asyncio.Event(), 2
-    sampled = request("r1", num_tokens=8)
-    sampled.sampling_params.temperature = 0.7
+    with_stops = request("r1", num_tokens=8)
+    with_stops.sampling_params.stop_words.append("<end>")
     async with serving(p0, d0, d1) as endpoints, router(endpoints, decode_stall_timeout_s=0.3) as (_, stub):
         received = []
         with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for chunk in stub.Generate(sampled):
+            async for chunk in stub.Generate(with_stops):
                 received += chunk.token_ids
         await eventually(lambda: (d0.aborted + d1.aborted) == ["r1"])
     assert len(received) == 3  # the prefill's token, then two of the decode worker's
-    assert len(d0.requests) + len(d1.requests) == 1  # not retried: other samples would follow
+    assert len(d0.requests) + len(d1.requests) == 1  # not retried: a stop word could straddle the break
     assert error.value.code() == grpc.StatusCode.UNAVAILABLE
     details = error.value.details()
     assert "no chunk within 0.3 s" in details and "after 3 tokens were sent" in details and "retry the request" in details
@@ -131,3 +131,22 @@ async def test_greedy_stream_broken_after_tokens_resumes_on_another_decode_worke
     assert tokens_of(chunks) == sent + [after + i for i in range(5)]
     assert chunks[-1].usage.completion_tokens == 8
     assert "resumed after 3 tokens" in chunks[-1].routing.reason and chunks[-1].routing.num_decode_attempts == 2
+
+
+async def test_sampled_stream_broken_after_tokens_resumes_with_its_positions_counted_on():
+    p0, d0, d1 = PrefillDouble("p0"), DecodeDouble("d0"), DecodeDouble("d1")
+    for double in (d0, d1):  # whichever gets the handoff hangs after three tokens; a resumed call does not
+        double.hold_after_first, double.hold_after_index, double.hold_only_with_handoff = asyncio.Event(), 2, True
+    sampled = request("r1", num_tokens=8)
+    sampled.sampling_params.temperature, sampled.sampling_params.seed = 0.7, 11
+    async with serving(p0, d0, d1) as endpoints, router(endpoints, decode_stall_timeout_s=0.3) as (_, stub):
+        chunks = [chunk async for chunk in stub.Generate(sampled)]
+        hung, went_on = (d0, d1) if d0.requests[0].HasField("handoff") else (d1, d0)
+        await eventually(lambda: hung.aborted == ["r1"])
+    (resumed,) = went_on.requests
+    params = resumed.sampling_params
+    assert not resumed.HasField("handoff") and len(resumed.token_ids) == len(PROMPT) + 3
+    assert (params.num_tokens_to_generate, params.output_offset, params.seed, params.temperature) == (
+        5, 3, 11, pytest.approx(0.7))  # the seed kept, sampling positions counted on past the 3 sent tokens
+    assert sum(len(c.token_ids) for c in chunks) == 8
+    assert "resumed after 3 tokens" in chunks[-1].routing.reason

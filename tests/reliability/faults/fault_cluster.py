@@ -240,5 +240,5 @@ def _terminate(proc: subprocess.Popen, timeout_s: float = 90.0) -> None:
             proc.wait()
 
 
-def complete(oai, prompt: str, max_tokens: int = 16):
-    return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0)
+def complete(oai, prompt: str, max_tokens: int = 16, **options):
+    return oai.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, **{"temperature": 0, **options})

@@ -74,10 +74,27 @@ def test_decode_worker_killed_mid_stream_greedy_stream_resumes_elsewhere(cluster
     assert router_log.read_text().count("retrying decode elsewhere") == retries + 1  # it did break
 
 
-def test_decode_worker_killed_mid_sampled_stream_gives_a_clear_retryable_error(cluster, oai):
+def test_decode_worker_killed_mid_sampled_stream_resumes_with_the_same_draws(cluster, oai):
+    want = complete(oai, PROMPT, max_tokens=40, temperature=0.8, seed=1).choices[0].text
+    router_log = cluster.work / "logs" / "router.log"
+    retries = router_log.read_text().count("retrying decode elsewhere")
     cluster.set_faults("stream=300")
     since = cluster.fault_lines()
     stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.8, seed=1, stream=True)
+    chunks = iter(stream)
+    text = "".join(next(chunks).choices[0].text for _ in range(3))
+    pid, _ = cluster.wait_fault_holder("stream", since)
+    kill(pid)
+    text += "".join(chunk.choices[0].text for chunk in chunks if chunk.choices)
+    assert text == want  # the next worker counted the sampling positions on past the sent tokens: same seeds
+    assert router_log.read_text().count("retrying decode elsewhere") == retries + 1  # it did break
+
+
+def test_decode_worker_killed_mid_stream_with_stop_words_gives_a_clear_retryable_error(cluster, oai):
+    cluster.set_faults("stream=300")
+    since = cluster.fault_lines()
+    stream = oai.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0.8, seed=1,
+                                    stop=["<never seen>"], stream=True)
     chunks = iter(stream)
     for _ in range(3):
         next(chunks)
@@ -91,7 +108,7 @@ def test_decode_worker_killed_mid_sampled_stream_gives_a_clear_retryable_error(c
     cluster.wait_whole(NUM_WORKERS)
     since = cluster.fault_lines()  # the same through the gRPC SDK: UNAVAILABLE, with the same words
     with Client(cluster.router, tokenizer="default") as sdk:
-        params = SamplingParams(num_tokens_to_generate=40, temperature=0.8, seed=1)
+        params = SamplingParams(num_tokens_to_generate=40, temperature=0.8, seed=1, stop_words=("<never seen>",))
         stream = sdk.stream(PROMPT, params, timeout_s=60)
         for _ in range(3):
             next(stream)
