@@ -170,7 +170,8 @@ def test_decode_worker_hung_mid_stream_hits_the_stall_deadline(cluster):
     cluster.set_faults("stream=200")
     since = cluster.fault_lines()
     with Client(cluster.router, tokenizer="default") as sdk:
-        params = SamplingParams(num_tokens_to_generate=40, temperature=0.8, seed=1)  # sampled: not resumed
+        params = SamplingParams(num_tokens_to_generate=40, temperature=0.8, seed=1,
+                                stop_words=("<never seen>",))  # with stop words: not resumed
         stream = sdk.stream(PROMPT, params, timeout_s=60)
         for _ in range(3):
             next(stream)
