@@ -197,9 +197,9 @@ class ModelRunner:
     def _decode_pending(
         self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor, graphed: bool = False
     ) -> PendingStep:
-        """A decode step's logits (one row per sequence) and argmax, with the argmax
-        on its way to the host now, so `collect` waits for this step only — not
-        for a later one queued behind it."""
+        """A decode step's logits (one row per sequence) and argmax — with the sampled rows'
+        draws in place of theirs (`_draw_at_launch`) — on its way to the host now, so
+        `collect` waits for this step only, not for a later one queued behind it."""
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
         drawn = self._draw_at_launch(out, logits, greedy, graphed) if self.ps.is_driver else frozenset()
         if greedy.device.type != "cuda":
