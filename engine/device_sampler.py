@@ -25,6 +25,15 @@ def draws_without_logprobs(params) -> bool:
     return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
 
 
+def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:
+    """What `kernels.sample_rows` needs known of a batch's masks, from the host-side params:
+    (largest active top-k, any active top-p, every top-p row also top-k)."""
+    uses_k = [0 < p.top_k < vocab for p in params]
+    uses_p = [0.0 < p.top_p < 1.0 for p in params]
+    max_top_k = max((p.top_k for p, k in zip(params, uses_k, strict=True) if k), default=0)
+    return max_top_k, any(uses_p), all(k or not p for k, p in zip(uses_k, uses_p, strict=True))
+
+
 def _pinned(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     host = torch.tensor(rows, dtype=dtype)
     if device.type == "cuda":
@@ -44,14 +53,9 @@ def draw_rows(
     table = _pinned([[spans[i][1] - 1, r.params.top_k, row_seed(r)] for i, r in zip(picked, reqs, strict=True)],
                     torch.long, logits.device)
     floats = _pinned([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32, logits.device)
-    vocab = logits.shape[1]
-    uses_k = [0 < r.params.top_k < vocab for r in reqs]
-    uses_p = [0.0 < r.params.top_p < 1.0 for r in reqs]
-    return kernels.sample_rows(
-        logits, floats[:, 0], table[:, 1], floats[:, 1], table[:, 2], rows=table[:, 0],
-        max_top_k=max((r.params.top_k for r, k in zip(reqs, uses_k, strict=True) if k), default=0),
-        any_top_p=any(uses_p), top_p_within_top_k=all(k or not p for k, p in zip(uses_k, uses_p, strict=True)),
-    )
+    max_top_k, any_top_p, within = mask_flags([r.params for r in reqs], logits.shape[1])
+    return kernels.sample_rows(logits, floats[:, 0], table[:, 1], floats[:, 1], table[:, 2], rows=table[:, 0],
+                               max_top_k=max_top_k, any_top_p=any_top_p, top_p_within_top_k=within)
 
 
 def device_drawable(chunks, logits: torch.Tensor, skip: Collection[int] = ()) -> list[int]:

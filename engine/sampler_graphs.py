@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from splitserve.engine.device_sampler import mask_flags
+
 MAX_TOP_K = 1024
 """Largest top-k the graphs draw (a `topk` of this many values per row); above it: eager."""
 
@@ -64,19 +66,14 @@ class SamplerGraphs:
     def draw(self, chunks, picked: Sequence[int], row_seed: Callable[[object], int]) -> torch.Tensor | None:
         """Tokens [len(picked)] on the device for chunks `picked` (row i of the logits = chunk
         i), queued on the current stream; None when this draw is not graphed."""
-        vocab = self.logits.shape[1]
         params = [chunks[i].request.params for i in picked]
-        uses_k = [0 < p.top_k < vocab for p in params]
-        uses_p = [0.0 < p.top_p < 1.0 for p in params]
-        if any(p and not k for k, p in zip(uses_k, uses_p, strict=True)):
-            return None
-        max_k = max((p.top_k for p, k in zip(params, uses_k, strict=True) if k), default=0)
-        if max_k > MAX_TOP_K:
+        max_k, use_p, within = mask_flags(params, self.logits.shape[1])
+        if not within or max_k > MAX_TOP_K:  # a top-p row without a top-k needs a full sort
             return None
         k_bucket = _bucket(max_k, 16) if max_k else 0
         n = len(picked)
         rows = min(_bucket(n, 1), self.logits.shape[0])  # n never exceeds the logits' rows
-        key = (rows, k_bucket, any(uses_p))
+        key = (rows, k_bucket, use_p)
         draw = self._draws.get(key)
         if draw is None:
             draw = self._draws[key] = self._capture(*key)
