@@ -58,14 +58,19 @@ def draw_rows(
                                max_top_k=max_top_k, any_top_p=any_top_p, top_p_within_top_k=within)
 
 
+def sampled_rows(chunks, skip: Collection[int] = ()) -> list[int]:
+    """The chunks of a step (but `skip`) that sample a token without log-probs."""
+    return [i for i, chunk in enumerate(chunks)
+            if i not in skip and chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+
+
 def device_drawable(chunks, logits: torch.Tensor, skip: Collection[int] = ()) -> list[int]:
     """The chunks of a step the batched device sampler draws: none off CUDA or without Triton."""
     from splitserve import kernels
 
     if not logits.is_cuda or not kernels.triton_available():
         return []
-    return [i for i, chunk in enumerate(chunks)
-            if i not in skip and chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+    return sampled_rows(chunks, skip)
 
 
 def draw_on_device(

@@ -19,7 +19,7 @@ from splitserve.engine.device_sampler import (
     device_drawable,
     draw_on_device,
     draw_rows,
-    draws_without_logprobs,
+    sampled_rows,
 )
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from splitserve.engine.models.config import ModelConfig
@@ -235,8 +235,7 @@ class ModelRunner:
                 index = torch.tensor(picked, dtype=torch.long).pin_memory().to(tokens.device, non_blocking=True)
                 tokens.index_copy_(0, index, drawn)
             return frozenset(picked)
-        picked = [i for i, chunk in enumerate(out.chunks)
-                  if chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+        picked = sampled_rows(out.chunks)
         for i in picked:
             req = out.chunks[i].request
             tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode).token_id

@@ -30,16 +30,10 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.device_sampler import mask_flags
+from splitserve.kernels._common import next_power_of_2
 
 MAX_TOP_K = 1024
 """Largest top-k the graphs draw (a `topk` of this many values per row); above it: eager."""
-
-
-def _bucket(n: int, floor: int) -> int:
-    size = floor
-    while size < n:
-        size *= 2
-    return size
 
 
 @dataclass
@@ -70,9 +64,9 @@ class SamplerGraphs:
         max_k, use_p, within = mask_flags(params, self.logits.shape[1])
         if not within or max_k > MAX_TOP_K:  # a top-p row without a top-k needs a full sort
             return None
-        k_bucket = _bucket(max_k, 16) if max_k else 0
+        k_bucket = next_power_of_2(max(max_k, 16)) if max_k else 0
         n = len(picked)
-        rows = min(_bucket(n, 1), self.logits.shape[0])  # n never exceeds the logits' rows
+        rows = min(next_power_of_2(n), self.logits.shape[0])  # n never exceeds the logits' rows
         key = (rows, k_bucket, use_p)
         draw = self._draws.get(key)
         if draw is None:
