@@ -190,7 +190,7 @@ def check_bf16_agreement(path: str, label: str, prompts: list[list[int]], new: i
 
     from splitserve import LLM, SamplingParams
 
-    llm = LLM(path, device="cuda", dtype="bfloat16", block_size_tokens=16, num_blocks=2048, max_tokens=4096)
+    llm = LLM(path, device="cuda", dtype="bfloat16", block_size_tokens=16, num_blocks=2048, max_tokens=4096, **EXTRA)
     params = SamplingParams(num_tokens_to_generate=new, temperature=0.0, ignore_eos=True)
     ours = [r.generated_tokens for r in llm.generate(prompts, params)]
     del llm

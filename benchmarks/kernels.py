@@ -8,6 +8,9 @@ bf16. Each case first checks the kernel against its fp32 torch reference
     torch       the engine's torch path today (engine/attention.py: gather the
                 blocks, then scaled_dot_product_attention / index_put)
     sdpa        (attention only) SDPA over K/V already contiguous: no paging cost
+    flashinfer  (attention only, when the flashinfer package is installed) FlashInfer's paged
+                decode / prefill wrappers on the same KV (engine/attention_flashinfer.py);
+                decode with (`fi tc`) and without (`fi`) its tensor-core kernels; "-" if absent
 
 Each layer's call reads its own KV copy, with enough copies to exceed the L2
 several times, so small cases are measured from HBM as in a real model. GB/s
@@ -134,6 +137,39 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() * 10 / (start.elapsed_time(end) / 1e3)
 
 
+# --------------------------------------------------------------------------- flashinfer
+
+
+def flashinfer_planner(tensor_cores: bool = True):
+    """engine/attention_flashinfer.py's planner, or None where FlashInfer is not installed."""
+    try:
+        from splitserve.engine import attention_flashinfer as fi
+    except ImportError:
+        return None
+    if not fi.available():
+        return None
+    shape = fi.Shape(HQ, HKV, HEAD_DIM, BLOCK, DTYPE, SCALE, tensor_cores)
+    return fi.FlashInferPlanner(torch.device("cuda"), shape)
+
+
+def time_flashinfer(q, layers, ctx_lens_list, q_starts, decode_only, expected, tensor_cores=True) -> str:
+    """"µs (check)" of FlashInfer over the case's layers (one plan, as in an engine step), or "-"."""
+    try:
+        planner = flashinfer_planner(tensor_cores)
+        if planner is None:
+            return "-"
+        table = layers[0][1].cpu().tolist()
+        planned = planner.plan(table, ctx_lens_list, q_starts, decode_only)
+        got = planned.run(q, layers[0][0])
+        status = check("flashinfer", got, expected).split(" ")[0]
+        outs = [torch.empty_like(q) for _ in layers]
+        t, _ = time_calls([(lambda kv=kv, o=o: planned.run(q, kv, out=o)) for (kv, _), o in zip(layers, outs, strict=True)])
+        return f"{t * 1e6:.1f} ({status})"
+    except Exception as e:  # noqa: BLE001 - FlashInfer's JIT can fail; report it in the cell
+        print(f"    (flashinfer failed: {type(e).__name__}: {str(e)[:300]})")
+        return "error"
+
+
 # --------------------------------------------------------------------------- cases
 
 
@@ -212,11 +248,16 @@ def decode_case(batch: int, ctx: int, bw: float) -> None:
             for k, v in dense
         ]
     )
+    expected = reference.paged_decode_reference(q, kv0, table0, ctx_lens, SCALE)
+    starts = list(range(batch + 1))
+    t_fi = time_flashinfer(q, layers, ctx_lens_list, starts, True, expected, tensor_cores=False)
+    t_fi_tc = time_flashinfer(q, layers, ctx_lens_list, starts, True, expected, tensor_cores=True)
     gbs = kv_bytes / t_ours / 1e9
     print(
         f"| decode | {batch} | {ctx} | {status} | {plan.num_partitions}x{plan.partition_size} | "
         f"{t_ours * 1e6:.1f} ({mode}) | {t_eager * 1e6:.0f} | {gbs:,.0f} | {gbs * 1e9 / bw:.0%} | "
-        f"{t_torch * 1e6:.1f} | {t_torch / t_ours:.1f}x | {t_sdpa * 1e6:.1f} | {t_sdpa / t_ours:.1f}x |"
+        f"{t_torch * 1e6:.1f} | {t_torch / t_ours:.1f}x | {t_sdpa * 1e6:.1f} | {t_sdpa / t_ours:.1f}x | "
+        f"{t_fi} | {t_fi_tc} |"
     )
 
 
@@ -262,13 +303,15 @@ def prefill_case(batch: int, q_len: int, ctx: int, bw: float) -> None:
     t_torch, _ = time_calls(
         [(lambda kv=kv, t=t: torch_prefill(q, kv, t, q_lens, ctx_lens_list)) for kv, t in layers]
     )
+    expected = reference.paged_prefill_reference(q, kv0, table0, q_starts, ctx_lens, SCALE)
+    t_fi = time_flashinfer(q, layers, ctx_lens_list, q_starts.cpu().tolist(), False, expected)
     prefix = ctx - q_len
     visible = batch * (q_len * prefix + q_len * (q_len + 1) // 2)  # (query, key) pairs computed
     flops = 4 * HQ * HEAD_DIM * visible
     print(
         f"| prefill | {batch} | {q_len}/{ctx} | {status} | {t_ours * 1e6:.1f} ({mode}) | "
         f"{flops / t_ours / 1e12:.0f} | {kv_bytes / t_ours / 1e9:,.0f} | {t_torch * 1e6:.1f} | "
-        f"{flops / t_torch / 1e12:.0f} | {t_torch / t_ours:.1f}x |"
+        f"{flops / t_torch / 1e12:.0f} | {t_torch / t_ours:.1f}x | {t_fi} |"
     )
 
 
@@ -334,17 +377,18 @@ def main() -> None:
     if args.only in (None, "decode"):
         print(
             "\n| kernel | batch | ctx | check | partitions | ours µs | ours eager µs | GB/s | % copy | "
-            "torch µs | speedup | sdpa µs | vs sdpa |"
+            "torch µs | speedup | sdpa µs | vs sdpa | fi µs | fi tc µs |"
         )
-        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
         for batch in (1, 64):
             for ctx in (768, 8192):
                 run_case(decode_case, batch, ctx, bw)
     if args.only in (None, "prefill"):
         print(
-            "\n| kernel | batch | new/ctx | check | ours µs | TFLOP/s | KV GB/s | torch µs | torch TFLOP/s | speedup |"
+            "\n| kernel | batch | new/ctx | check | ours µs | TFLOP/s | KV GB/s | torch µs | torch TFLOP/s | speedup "
+            "| fi µs |"
         )
-        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+        print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
         for batch, q_len, ctx in ((64, 512, 512), (1, 8192, 8192), (4, 2048, 8192)):
             run_case(prefill_case, batch, q_len, ctx, bw)
     if args.only in (None, "write"):

@@ -11,7 +11,8 @@ handoff resharding cheap. Token t of a sequence lives at
 
 Decodes (one query token each) are batched with a padded block table; each
 prefill chunk runs on its own so a long prompt never pads the decodes.
-Triton/FlashInfer kernels replace this on GPU (kernels/); this stays the reference.
+Triton kernels (kernels/) or FlashInfer (attention_flashinfer.py) replace this on GPU;
+this stays the reference.
 """
 
 from __future__ import annotations
@@ -35,13 +36,18 @@ class PrefillSeq:
 
 _EMPTY = torch.empty(0, dtype=torch.long)
 
+TRITON_KERNEL_BACKENDS = ("triton", "flashinfer")
+"""Backends whose steps run our Triton kernels (fused rotary + KV write, SSM scans); `flashinfer`
+swaps in FlashInfer for the attention itself and keeps the rest."""
+
 
 @dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[T] int64 cache slot of every token in the flat batch."""
     backend: str = "torch"
-    """`torch` (this module, any device) or `triton` (kernels/, CUDA or the interpreter)."""
+    """`torch` (this module, any device), `triton` (kernels/, CUDA or the interpreter) or
+    `flashinfer` (the triton fields, attention by `planned`)."""
     is_decode_only: bool = False
     """Every sequence contributes exactly one token (the CUDA-graph case)."""
     # --- torch backend
@@ -59,6 +65,8 @@ class AttentionMetadata:
     """[S + 1] cumulative token offsets of the sequences in the flat batch."""
     ctx_lens: torch.Tensor = _EMPTY
     """[S] tokens with KV after this step."""
+    planned: object | None = None
+    """flashinfer backend: the step's planned FlashInfer wrapper (attention_flashinfer.py)."""
 
 
 def write_kv(kv: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -81,7 +89,7 @@ def paged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: torch.Tensor, meta: AttentionMetadata, scale: float
 ) -> torch.Tensor:
     """q [T, Hq, D], k/v [T, Hkv, D] for the new tokens -> output [T, Hq, D]."""
-    if meta.backend == "triton":
+    if meta.backend in TRITON_KERNEL_BACKENDS:
         return _triton_attention(q, k, v, kv, meta, scale)
     write_kv(kv, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
@@ -117,10 +125,12 @@ def _triton_attention(q, k, v, kv, meta: AttentionMetadata, scale: float) -> tor
 
 
 def triton_attention_written(q, kv, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Triton backend, the new tokens' K/V already in `kv` (e.g. written by the fused
-    rotary kernel of models/fused.py)."""
+    """Triton (or FlashInfer) backend, the new tokens' K/V already in `kv` (e.g. written by the
+    fused rotary kernel of models/fused.py). FlashInfer was planned with the same `scale`."""
     from splitserve import kernels
 
+    if meta.planned is not None:
+        return meta.planned.run(q, kv)
     if meta.is_decode_only:  # one token per sequence: the flash-decoding kernel
         return kernels.paged_decode_attention(q, kv, meta.block_tables, meta.ctx_lens, scale)
     return kernels.paged_prefill_attention(q, kv, meta.block_tables, meta.q_starts, meta.ctx_lens, scale)

@@ -6,7 +6,8 @@
 
 Two attention backends read different fields (see `attention.py`): the torch
 path wants decode rows batched apart from per-sequence prefill chunks; the
-Triton path wants every sequence's block table, `q_starts` and context length.
+Triton path wants every sequence's block table, `q_starts` and context length
+(FlashInfer the same, planned once here for all layers: attention_flashinfer.py).
 Padding entries point at the scratch block (`scratch_block`, never handed out by
 the pool), so a padded row of a CUDA-graph batch can write and read harmlessly.
 """
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from splitserve.engine.attention import AttentionMetadata, PrefillSeq
+from splitserve.engine.attention import TRITON_KERNEL_BACKENDS, AttentionMetadata, PrefillSeq
 from splitserve.engine.scheduler import SchedulerOutput
 
 
@@ -33,8 +34,9 @@ def _tensor(values, device) -> torch.Tensor:
 
 
 def prepare_inputs(
-    out: SchedulerOutput, block_size: int, scratch_block: int, backend: str, device: torch.device
+    out: SchedulerOutput, block_size: int, scratch_block: int, backend: str, device: torch.device, planner=None
 ) -> StepInputs:
+    """`planner`: the engine's `FlashInferPlanner` (flashinfer backend)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -52,16 +54,18 @@ def prepare_inputs(
         ctx_lens.append(ctx_len)
         q_starts.append(len(ids))
     is_decode_only = all(c.num_tokens == 1 for c in out.chunks)
-    if backend == "triton":
+    if backend in TRITON_KERNEL_BACKENDS:
         width = max(len(t) for t in tables)
         padded = [t + [scratch_block] * (width - len(t)) for t in tables]
+        planned = planner.plan(padded, ctx_lens, q_starts, is_decode_only) if planner is not None else None
         meta = AttentionMetadata(
             slot_mapping=_tensor(slots, device),
-            backend="triton",
+            backend=backend,
             is_decode_only=is_decode_only,
             block_tables=_tensor(padded, device),
             q_starts=_tensor(q_starts, device),
             ctx_lens=_tensor(ctx_lens, device),
+            planned=planned,
         )
         return StepInputs(_tensor(ids, device), _tensor(positions, device), meta)
 

@@ -16,6 +16,7 @@ Role = Literal["aggregated", "prefill", "decode"]
 LogprobsMode = Literal["raw_logprobs", "processed_logprobs"]
 
 _DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flashinfer")
 
 
 def _positive(name: str, value: int | float | None, allow_none: bool = False) -> None:
@@ -161,7 +162,10 @@ class EngineConfig:
     top-k and top-p."""
     attention_backend: str = "auto"
     """`torch` (SDPA over gathered blocks; CPU and GPU), `triton` (paged kernels in
-    kernels/; CUDA, or CPU under TRITON_INTERPRET=1), or `auto`: triton on CUDA, else torch."""
+    kernels/; CUDA, or CPU under TRITON_INTERPRET=1), `flashinfer` (FlashInfer's paged
+    kernels for the attention, our Triton kernels for the rest; CUDA with the flashinfer
+    package: engine/attention_flashinfer.py says why it is not the default), or `auto`:
+    triton on CUDA, else torch."""
     enable_cuda_graphs: bool = True
     """Replay captured CUDA graphs for decode-only steps (triton backend, CUDA, pp=1)."""
     cuda_graph_max_batch: int = 256
@@ -185,8 +189,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {_DTYPES}, got {self.dtype!r}")
         if self.role not in ("aggregated", "prefill", "decode"):
             raise ValueError(f"role must be aggregated, prefill or decode, got {self.role!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be auto, torch or triton, got {self.attention_backend!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}"
+            )
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("cuda_graph_max_context", self.cuda_graph_max_context)
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):

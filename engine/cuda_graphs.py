@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps (the Triton attention backend).
+"""CUDA graphs for decode-only steps (the Triton attention backend, or FlashInfer's).
 
 One graph per (batch-size bucket, context bucket), captured lazily the first
 time a step of that shape runs. Batch buckets: 1, 2, 4, …, max. Context buckets:
@@ -16,6 +16,8 @@ A batch of B < bucket sequences is padded: the extra rows point at the scratch
 block (position 0, context length 1), so they write and read only memory no
 request owns. Graphs bake in the KV tensors' addresses: a lifecycle suspend
 (which frees that memory) calls `reset`, and they are captured again on use.
+With the flashinfer backend each graph owns a FlashInfer decode wrapper whose index
+buffers it captured (attention_flashinfer.GraphDecode), planned again before each replay.
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ class _Static:
     """The host twin the next step fills."""
     sampler: SamplerGraphs | None = None
     """Captured sampler draws over `logits` (engine/sampler_graphs.py), made on first use."""
+    flashinfer: object | None = None
+    """flashinfer backend: the graph's `GraphDecode`, planned before each replay."""
 
 
 def _fields(buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
@@ -83,8 +87,11 @@ def context_buckets(max_blocks: int, block_size: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model, kv_caches, *, max_batch: int, max_blocks: int, scratch_block: int, block_size: int):
+    def __init__(self, model, kv_caches, *, max_batch: int, max_blocks: int, scratch_block: int, block_size: int,
+                 flashinfer=None):
         self.model = model
+        self.flashinfer = flashinfer
+        """attention_flashinfer.Shape when attention is FlashInfer's, else None (Triton)."""
         self.kv_caches = kv_caches
         self.buckets = buckets_up_to(max_batch)
         self.max_blocks = max_blocks
@@ -137,6 +144,8 @@ class DecodeGraphs:
             ctx_lens[i] = pos + 1
             tables[i, :n] = blocks[:n]
         static.buffer.copy_(host, non_blocking=True)
+        if static.flashinfer is not None:
+            static.flashinfer.plan(tables, ctx_lens)
         if fed is not None:  # input ids still on the device (async scheduling): rows align
             static.buffer[:batch].copy_(fed)
         static.graph.replay()
@@ -181,12 +190,21 @@ class DecodeGraphs:
         hosts = (torch.empty_like(template).pin_memory(), torch.empty_like(template).pin_memory())
         static = _Static(template.to(device), hosts, template)
         ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
+        planned = None
+        if self.flashinfer is not None:
+            from splitserve.engine.attention_flashinfer import GraphDecode
+
+            static.flashinfer = GraphDecode(device, self.flashinfer, bucket, width)
+            _, _, _, host_lens, host_tables = _fields(template, bucket)
+            static.flashinfer.plan(host_tables.numpy(), host_lens.numpy())
+            planned = static.flashinfer.planned
         meta = AttentionMetadata(
             slot_mapping=slots,
-            backend="triton",
+            backend="triton" if planned is None else "flashinfer",
             is_decode_only=True,
             block_tables=tables,
             ctx_lens=ctx_lens,
+            planned=planned,
         )
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,6 +16,16 @@ import time
 DEFAULT_PROMPTS = ["def fibonacci(n):", "class Stack:\n    \"\"\"", "import os\n\n\ndef"]
 
 
+def add_attention_backend_argument(p: argparse.ArgumentParser) -> None:
+    from splitserve.engine.config import ATTENTION_BACKENDS
+
+    p.add_argument(
+        "--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+        help="auto (Triton kernels on CUDA, torch on CPU), torch, triton, or flashinfer (CUDA with the flashinfer "
+        "package; float16/bfloat16)",
+    )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = __doc__.split("\n\n", 1)[1]
@@ -34,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="weights/KV dtype")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    add_attention_backend_argument(p)
     p.add_argument("--buffer-size-gb", type=float, default=0.25, help="KV cache budget per rank in GiB (default 0.25)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt instead of text")
 
@@ -54,7 +65,8 @@ def run(args: argparse.Namespace) -> int:
             skip_prompt_log_probs=True,
         )
         options = dict(
-            device=args.device, dtype=args.dtype, block_size_tokens=args.block_size, buffer_size_gb=args.buffer_size_gb
+            device=args.device, dtype=args.dtype, block_size_tokens=args.block_size, buffer_size_gb=args.buffer_size_gb,
+            attention_backend=args.attention_backend,
         )
         prompts = args.prompt or DEFAULT_PROMPTS
         start = time.perf_counter()

@@ -39,6 +39,12 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_backend(name: str, device: torch.device) -> str:
+    if name == "flashinfer":
+        from splitserve.engine import attention_flashinfer
+
+        if device.type != "cuda":
+            raise ValueError("attention_backend=flashinfer needs a CUDA device")
+        attention_flashinfer.require()
     if name != "auto":
         return name
     from splitserve import kernels
@@ -116,9 +122,16 @@ class ModelRunner:
         )
         self._hidden_size = model_config.hidden_size
         self.backend = resolve_backend(config.attention_backend, self.device)
+        self.flashinfer = self._flashinfer_shape()
+        """flashinfer backend: what its wrappers are planned for (attention_flashinfer.Shape)."""
+        self.planner = None
+        if self.flashinfer is not None:
+            from splitserve.engine.attention_flashinfer import FlashInferPlanner
+
+            self.planner = FlashInferPlanner(self.device, self.flashinfer)
         self.graphs = None
         if (
-            self.backend == "triton"
+            self.backend in ("triton", "flashinfer")
             and self.device.type == "cuda"
             and config.enable_cuda_graphs
             and ps.pp_size == 1
@@ -137,12 +150,25 @@ class ModelRunner:
                 max_blocks=-(-max_len // self.block_size),
                 scratch_block=self.scratch_block,
                 block_size=self.block_size,
+                flashinfer=self.flashinfer,
             )
         self.layer_listener = None
         """Prefill role with layer-wise streaming (engine/handoff_layerwise.py `LayerPublisher`):
         told when a step's forward pass starts, and called after each local layer of it."""
         self._base_seeds: dict[str, int] = {}
         self._seed_source = torch.Generator().manual_seed(seed)
+
+    def _flashinfer_shape(self):
+        if self.backend != "flashinfer":
+            return None
+        from splitserve.engine.attention_flashinfer import Shape
+
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend=flashinfer needs float16 or bfloat16, not {self.dtype}")
+        attn = next((m for m in self.model.modules() if hasattr(m, "num_kv_heads") and hasattr(m, "scale")), None)
+        if attn is None:
+            raise ValueError("attention_backend=flashinfer: this model has no attention layer on this rank")
+        return Shape(attn.num_heads, attn.num_kv_heads, attn.head_dim, self.block_size, self.dtype, attn.scale)
 
     # --------------------------------------------------------------- execute
     @torch.inference_mode()
@@ -160,7 +186,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(out):
             logits, greedy = self.graphs.launch(out, fed)
             return self._decode_pending(out, logits, greedy, graphed=True)
-        inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device)
+        inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device, self.planner)
         if fed is not None:
             inputs.input_ids[: len(fed)].copy_(fed)
         hidden = None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from splitserve.engine.attention import TRITON_KERNEL_BACKENDS
 from splitserve.engine.block_hash import BlockHash
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.models.config import ModelConfig
@@ -123,7 +124,7 @@ class StateManager:
             decode_token_idx=torch.tensor(decode_idx, dtype=torch.long, device=device),
             decode_slots=torch.tensor(decode_slots, dtype=torch.long, device=device),
             prefills=tuple(prefills),
-            backend="triton" if backend == "triton" else "torch",
+            backend=backend if backend in TRITON_KERNEL_BACKENDS else "torch",
         )
 
     def finish(self, out: SchedulerOutput) -> None:

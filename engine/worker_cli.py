@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from splitserve.engine.generate_cli import add_attention_backend_argument
 from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.worker_runtime import WorkerSpec
 from splitserve.telemetry.metrics import add_metrics_arguments
@@ -36,6 +37,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="weights/KV dtype")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
+    add_attention_backend_argument(p)
     p.add_argument("--buffer-size-gb", type=float, default=0.25, help="KV cache budget per rank in GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="exact KV block count (overrides --buffer-size-gb)")
     p.add_argument("--max-tokens", type=int, default=2048, help="token budget per engine step")
@@ -61,6 +63,7 @@ def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
     options = dict(
         device=args.device,
         dtype=args.dtype,
+        attention_backend=args.attention_backend,
         block_size_tokens=args.block_size,
         buffer_size_gb=args.buffer_size_gb,
         num_blocks=args.num_blocks,

@@ -30,7 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from splitserve import kernels
-from splitserve.engine.attention import AttentionMetadata, paged_attention, triton_attention_written
+from splitserve.engine.attention import (
+    TRITON_KERNEL_BACKENDS,
+    AttentionMetadata,
+    paged_attention,
+    triton_attention_written,
+)
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -67,7 +72,7 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
     q = qkv[:, :nq].view(t, attn.num_heads, d)
     k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
     v = qkv[:, nq + nk :].view(t, attn.num_kv_heads, d)
-    if meta.backend == "triton":  # rotary and the KV write in one launch
+    if meta.backend in TRITON_KERNEL_BACKENDS:  # rotary and the KV write in one launch
         kernels.apply_rotary_qk_and_write_kv(q, k, v, cos, sin, kv, meta.slot_mapping)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from splitserve.engine.attention import TRITON_KERNEL_BACKENDS
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.parallel import ParallelState
 from splitserve.kernels import ssm_reference as ref
@@ -192,7 +193,7 @@ class Mamba2Mixer(nn.Module):
 
 
 def _state_update(backend: str):
-    if backend == "triton":
+    if backend in TRITON_KERNEL_BACKENDS:
         from splitserve import kernels
 
         return kernels.selective_state_update
@@ -200,7 +201,7 @@ def _state_update(backend: str):
 
 
 def _chunk_scan(backend: str):
-    if backend == "triton":
+    if backend in TRITON_KERNEL_BACKENDS:
         from splitserve import kernels
 
         return kernels.ssd_chunk_scan
