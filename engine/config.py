@@ -174,6 +174,10 @@ class EngineConfig:
     """Longest context a graphed decode step serves (capped by the model's and the
     scheduler's maximum); longer ones run eagerly. Graphs come per context bucket
     (8k tokens, ×4, …, this; engine/cuda_graphs.py), each sized for its contexts."""
+    cuda_graph_mixed_max_tokens: int = 512
+    """Steps with prefill chunks (aggregated serving: chunks beside the decodes) of at most this
+    many tokens replay a CUDA graph of the forward pass too (engine/mixed_graphs.py; triton
+    backend); 0: they run eagerly. Larger steps are bound by their GEMMs, not by launches."""
     async_scheduling: bool | None = None
     """Schedule decode step N+1 while step N runs on the device (greedy decode-only
     steps; see engine/step_pipeline.py). None: on when CUDA graphs are in use."""
@@ -195,6 +199,8 @@ class EngineConfig:
             )
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch)
         _positive("cuda_graph_max_context", self.cuda_graph_max_context)
+        if self.cuda_graph_mixed_max_tokens < 0:
+            raise ValueError(f"cuda_graph_mixed_max_tokens must be >= 0, got {self.cuda_graph_mixed_max_tokens}")
         if self.logprobs_mode not in ("raw_logprobs", "processed_logprobs"):
             raise ValueError(
                 f"logprobs_mode must be 'raw_logprobs' or 'processed_logprobs', got {self.logprobs_mode!r}"

@@ -103,6 +103,8 @@ class DecodeGraphs:
         self._last: _Static | None = None
         self.sampler_graphs = os.environ.get("SPLITSERVE_SAMPLER_GRAPHS", "1") != "0"
         """Draw sampled rows from captured sampler graphs (`draw`); 0 = eager draws."""
+        self.mixed = None
+        """Graphs for steps with prefill chunks (engine/mixed_graphs.py `MixedGraphs`), or None."""
 
     @property
     def max_batch(self) -> int:
@@ -167,6 +169,8 @@ class DecodeGraphs:
         self._static.clear()
         self._pool = None
         self._last = None
+        if self.mixed is not None:
+            self.mixed.reset()
 
     def _get(self, bucket: int, width: int) -> _Static:
         static = self._static.get((bucket, width))
@@ -212,15 +216,21 @@ class DecodeGraphs:
             logits = self.model.compute_logits(hidden)
             return logits, kernels.argmax_rows(logits)  # one SM per row in torch: slow for 128k vocabularies
 
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # warm-up: compiles the kernels outside the capture
-            for _ in range(2):
-                forward()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            static.logits, static.greedy = forward()
-        self._pool = graph.pool()
-        static.graph = graph
+        static.graph, (static.logits, static.greedy) = capture(forward, self._pool)
+        self._pool = static.graph.pool()
         return static
+
+
+def capture(forward, pool=None):
+    """(graph, outputs) of `forward()` captured into memory pool `pool` (None: a new one), after two
+    warm-up calls on a side stream, which compile the kernels outside the capture."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            forward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        outputs = forward()
+    return graph, outputs

@@ -152,6 +152,15 @@ class ModelRunner:
                 block_size=self.block_size,
                 flashinfer=self.flashinfer,
             )
+            mixed_tokens = min(config.cuda_graph_mixed_max_tokens, config.scheduler.max_tokens)
+            if mixed_tokens and self.backend == "triton":
+                from splitserve.engine.mixed_graphs import MixedGraphs
+
+                self.graphs.mixed = MixedGraphs(
+                    self.model, self.kv_caches, max_tokens=mixed_tokens, seq_buckets=self.graphs.buckets,
+                    block_buckets=self.graphs.block_buckets, scratch_block=self.scratch_block,
+                    block_size=self.block_size,
+                )
         self.layer_listener = None
         """Prefill role with layer-wise streaming (engine/handoff_layerwise.py `LayerPublisher`):
         told when a step's forward pass starts, and called after each local layer of it."""
@@ -186,6 +195,9 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(out):
             logits, greedy = self.graphs.launch(out, fed)
             return self._decode_pending(out, logits, greedy, graphed=True)
+        mixed = self.graphs.mixed if self.graphs is not None else None
+        if mixed is not None and fed is None and self.layer_listener is None and mixed.can_run(out):
+            return PendingStep(out, hidden=mixed.launch(out))  # a step with prefill chunks (mixed_graphs.py)
         inputs = prepare_inputs(out, self.block_size, self.scratch_block, self.backend, self.device, self.planner)
         if fed is not None:
             inputs.input_ids[: len(fed)].copy_(fed)
