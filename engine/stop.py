@@ -1,5 +1,11 @@
 """Per-request stop conditions and incremental text: EOS / termination id,
-token limit, and stop words (matched on the detokenized text)."""
+token limit, and stop words (matched on the detokenized text).
+
+A continuation (a stream resumed on another worker: the prompt ends with the tokens already
+sent, `SamplingParams.output_offset` counts them) matches stop words across the break: the
+tail of the earlier output's text is kept as `prior`, so a stop word begun before the break
+and finished after it is still found (the text already sent stays sent, as in an unbroken
+stream, which sends each delta before the stop word is complete)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,10 @@ class StopChecker:
         self._max_stop_len = max((len(w) for w in req.params.stop_words), default=0)
         if req.params.stop_words and tokenizer is None:
             raise ValueError("stop_words need a tokenizer; this model directory has no tokenizer.json")
+        self._prior = ""
+        """The last characters of the output sent before this continuation (see the module docstring)."""
+        if self._max_stop_len > 1 and req.params.output_offset:
+            self._prior = prior_text(tokenizer, req.prompt_token_ids, req.params.output_offset, self._max_stop_len - 1)
 
     def on_token(self, token_id: int) -> tuple[str, RequestStatus | None]:
         """Account for a newly generated token; return (text delta, finish status or None)."""
@@ -39,8 +49,9 @@ class StopChecker:
         return delta, None
 
     def _match_stop_word(self, before: int, delta_len: int) -> RequestStatus | None:
-        text = self.req.generated_text
-        window_start = max(0, before - self._max_stop_len + 1)
+        prior = len(self._prior)
+        text = self._prior + self.req.generated_text
+        window_start = max(0, prior + before - self._max_stop_len + 1)
         best = None
         for word in self.req.params.stop_words:
             at = text.find(word, window_start)
@@ -49,5 +60,16 @@ class StopChecker:
         if best is None:
             return None
         at, word = best
-        self.req.generated_text = text[: at + len(word)] if self.req.params.detokenize_stop_sequence else text[:at]
+        end = at + len(word) if self.req.params.detokenize_stop_sequence else at
+        self.req.generated_text = text[prior:end] if end > prior else ""
         return RequestStatus.FINISHED_STOPPED
+
+
+def prior_text(tokenizer: Tokenizer, prompt_ids, num_output: int, max_chars: int) -> str:
+    """The last `max_chars` characters of the text the last `num_output` prompt tokens streamed as
+    (detokenized incrementally after the tokens before them, as their stream was). Only the
+    tail is decoded: a token is at least one character, or a byte of one (<= 4 per character)."""
+    start = max(0, len(prompt_ids) - num_output, len(prompt_ids) - 4 * max_chars - 4)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids[:start])
+    text = "".join(detok.add(t) for t in prompt_ids[start:])
+    return text[-max_chars:]

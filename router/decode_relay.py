@@ -37,7 +37,7 @@ from splitserve.router.messages import (
     WorkerCallError,
 )
 from splitserve.router.policy import choose_decode
-from splitserve.router.request_run import RequestRun, can_resume, continuation, is_handoff_reusable
+from splitserve.router.request_run import RequestRun, continuation, is_handoff_reusable
 from splitserve.router.request_telemetry import transfer_attributes
 from splitserve.router.stream_deadlines import with_deadlines
 from splitserve.router.suspects import note_failure
@@ -140,8 +140,6 @@ class DecodeRelay:
                 if run.is_aborted:
                     yield _last(run, Tokens(), FinishReason.ABORT)
                     return
-                if has_output and not can_resume(run.request):  # a retry would repeat or change tokens
-                    raise _broken_stream(e, run, "so it was not retried") from e
                 log.warning("request %s: %s; retrying decode elsewhere", request.request_id, e)
                 self.metrics.retries.labels("decode").inc()
                 failed.add(e.worker_id)

@@ -120,20 +120,16 @@ def is_handoff_reusable(code: grpc.StatusCode, lease_deadline_unix_ms: int, now_
     return code is grpc.StatusCode.UNAVAILABLE and is_leased
 
 
-def can_resume(request: GenerateRequest) -> bool:
-    """May a stream that broke after tokens went out go on elsewhere from what was sent? Only
-    without stop words (one could straddle the break, where the next worker would not see it).
-    The continuation is the one the broken worker would have produced: greedy tokens are, and a
-    sampled token's seed is its (request seed, output position), the position counted on past
-    the sent tokens (`continuation` sets `output_offset`); a request without a seed goes on
-    with the next worker's own, as any unseeded draw may."""
-    return not request.sampling_params.stop_words
-
-
 def continuation(request: GenerateRequest, sent: Tokens) -> GenerateRequest:
     """What a decode worker prefills itself to go on after `sent`: the prompt plus the tokens already
     sent, with that many fewer to generate (the budget must leave at least one), its sampling
-    positions counted on past them (`output_offset`)."""
+    positions counted on past them (`output_offset`).
+
+    It goes on as the broken worker would have: greedy tokens do, a sampled token's seed is its
+    (request seed, output position), the position counted on past the sent tokens; a request
+    without a seed goes on with the next worker's own, as any unseeded draw may. Stop words are
+    matched across the break: the worker keeps the tail of the sent tokens' text (`output_offset`
+    tells it they are output: engine/stop.py), so one begun before the break still stops it."""
     params = request.sampling_params
     params = replace(params, num_tokens_to_generate=params.num_tokens_to_generate - len(sent.token_ids),
                      output_offset=params.output_offset + len(sent.token_ids))

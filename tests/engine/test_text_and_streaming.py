@@ -62,6 +62,35 @@ def test_stop_words_cut_the_text(llm):
     llm.engine.check_integrity()
 
 
+def test_a_stop_word_straddling_a_resumed_streams_break_is_still_found(llm):
+    """A stream resumed on another worker (prompt + the tokens sent, `output_offset` = their count)
+    stops where the unbroken stream stopped, also when the stop word began before the break."""
+    base = dict(temperature=0.0, ignore_eos=True)
+    prompt = llm.tokenizer.encode("def hello")
+    [free] = llm.generate([prompt], SamplingParams(num_tokens_to_generate=24, **base))
+    tokens = free.generated_tokens
+    detok = IncrementalDetokenizer(llm.tokenizer, prompt)
+    deltas = [detok.add(t) for t in tokens]
+    text = "".join(deltas)
+    # a break after token k; the stop word = the last characters before it + the first after it
+    k, word = next(
+        (k, deltas[k - 1][-2:] + deltas[k][:2])
+        for k in range(2, len(tokens))
+        if deltas[k - 1].strip() and deltas[k].strip()
+        and text.find(deltas[k - 1][-2:] + deltas[k][:2]) == len("".join(deltas[:k])) - len(deltas[k - 1][-2:])
+    )
+    stop = dict(stop_words=[word], **base)
+    [unbroken] = llm.generate([prompt], SamplingParams(num_tokens_to_generate=24, **stop))
+    assert unbroken.generated_tokens == tokens[: k + 1] and unbroken.status == "stopped"
+    rest = SamplingParams(num_tokens_to_generate=24 - k, output_offset=k, **stop)
+    [resumed] = llm.generate([prompt + tokens[:k]], rest)
+    assert resumed.generated_tokens == [tokens[k]] and resumed.status == "stopped"
+    assert resumed.generated_text == ""  # the word began in the text already sent
+    [unprimed] = llm.generate([prompt + tokens[:k]], SamplingParams(num_tokens_to_generate=24 - k, **stop))
+    assert len(unprimed.generated_tokens) > 1  # without output_offset the break hides the word
+    llm.engine.check_integrity()
+
+
 def test_async_generate_returns_batch_in_order(text_ckpt):
     async def run():
         allm = AsyncLLM(str(text_ckpt), **OPTIONS)

@@ -12,7 +12,7 @@ from splitserve.router.cli import DESCRIPTION, EPILOG, build_parser, config_from
 from splitserve.router.cluster_view import ClusterView, _tiebreak
 from splitserve.router.config import RouterConfig
 from splitserve.router.messages import GenerateRequest, SamplingParams, Tokens
-from splitserve.router.request_run import can_resume, continuation, is_handoff_reusable
+from splitserve.router.request_run import continuation, is_handoff_reusable
 from splitserve.router.service import (
     decode_request_to_proto,
     generate_request_from_proto,
@@ -85,8 +85,6 @@ def test_retry_helpers():
     assert follow.token_ids == (1, 2, 3, 9) and follow.sampling_params == SamplingParams(4, seed=3, output_offset=1)
     again = continuation(follow, Tokens((8, 7)))  # resumed twice: positions go on counting
     assert again.token_ids == (1, 2, 3, 9, 8, 7) and again.sampling_params == SamplingParams(2, seed=3, output_offset=3)
-    assert can_resume(GenerateRequest("r", (1,), SamplingParams(5, temperature=0.8, seed=3)))
-    assert not can_resume(GenerateRequest("r", (1,), SamplingParams(5, temperature=0.0, stop_words=("x",))))
 
 
 def test_proto_conversions_at_the_boundary():

@@ -95,23 +95,41 @@ async def test_decode_worker_silent_after_its_first_chunk_is_retried_by_recomput
     assert routing.num_decode_attempts == 2 and "decode on d0 failed (DEADLINE_EXCEEDED)" in routing.reason
 
 
-async def test_stream_with_stop_words_broken_after_tokens_fails_unavailable_with_advice():
-    p0, d0, d1 = PrefillDouble("p0"), DecodeDouble("d0"), DecodeDouble("d1")
+async def test_stream_broken_after_tokens_with_no_other_decode_worker_fails_unavailable_with_advice():
+    p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
     d0.hold_after_first, d0.hold_after_index = asyncio.Event(), 2
-    d1.hold_after_first, d1.hold_after_index = asyncio.Event(), 2
+    async with serving(p0, d0) as endpoints, router(endpoints, decode_stall_timeout_s=0.3) as (_, stub):
+        received = []
+        with pytest.raises(grpc.aio.AioRpcError) as error:
+            async for chunk in stub.Generate(request("r1", num_tokens=8)):
+                received += chunk.token_ids
+        await eventually(lambda: d0.aborted == ["r1"])
+    assert len(received) == 3  # the prefill's token, then two of the decode worker's
+    assert len(d0.requests) == 1
+    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
+    details = error.value.details()
+    assert "no chunk within 0.3 s" in details and "after 3 tokens were sent" in details
+    assert "no other decode worker could go on" in details and "retry the request" in details
+
+
+async def test_stream_with_stop_words_broken_after_tokens_resumes_with_them():
+    """The next worker gets the stop words and `output_offset` = the tokens sent, which tells it
+    they are output, so it matches stop words across the break (engine/stop.py)."""
+    p0, d0, d1 = PrefillDouble("p0"), DecodeDouble("d0"), DecodeDouble("d1")
+    for double in (d0, d1):  # whichever gets the handoff hangs after three tokens; a resumed call does not
+        double.hold_after_first, double.hold_after_index, double.hold_only_with_handoff = asyncio.Event(), 2, True
     with_stops = request("r1", num_tokens=8)
     with_stops.sampling_params.stop_words.append("<end>")
     async with serving(p0, d0, d1) as endpoints, router(endpoints, decode_stall_timeout_s=0.3) as (_, stub):
-        received = []
-        with pytest.raises(grpc.aio.AioRpcError) as error:
-            async for chunk in stub.Generate(with_stops):
-                received += chunk.token_ids
-        await eventually(lambda: (d0.aborted + d1.aborted) == ["r1"])
-    assert len(received) == 3  # the prefill's token, then two of the decode worker's
-    assert len(d0.requests) + len(d1.requests) == 1  # not retried: a stop word could straddle the break
-    assert error.value.code() == grpc.StatusCode.UNAVAILABLE
-    details = error.value.details()
-    assert "no chunk within 0.3 s" in details and "after 3 tokens were sent" in details and "retry the request" in details
+        chunks = await collect(stub, with_stops)
+        hung, went_on = (d0, d1) if d0.requests[0].HasField("handoff") else (d1, d0)
+        await eventually(lambda: hung.aborted == ["r1"])
+    (resumed,) = went_on.requests
+    first = first_token_of(PROMPT)
+    sent = [first, first + 1, first + 2]
+    assert list(resumed.token_ids) == PROMPT + sent
+    assert list(resumed.sampling_params.stop_words) == ["<end>"] and resumed.sampling_params.output_offset == 3
+    assert tokens_of(chunks)[:3] == sent and len(tokens_of(chunks)) == 8
 
 
 async def test_greedy_stream_broken_after_tokens_resumes_on_another_decode_worker():
