@@ -95,15 +95,13 @@ class _Mixed:
 
 
 class MixedGraphs:
-    def __init__(self, model, kv_caches, *, max_tokens: int, seq_buckets: list[int], block_buckets: list[int],
-                 scratch_block: int, block_size: int):
-        self.model = model
-        self.kv_caches = kv_caches
+    def __init__(self, decode, max_tokens: int):
+        """`decode`: the engine's `DecodeGraphs`, whose model, KV, scratch block, batch and context
+        buckets these graphs share."""
+        self.model, self.kv_caches = decode.model, decode.kv_caches
+        self.scratch_block, self.block_size = decode.scratch_block, decode.block_size
+        self.seq_buckets, self.block_buckets = decode.buckets, decode.block_buckets
         self.token_buckets = token_buckets(max_tokens)
-        self.seq_buckets = seq_buckets
-        self.block_buckets = block_buckets
-        self.scratch_block = scratch_block
-        self.block_size = block_size
         self._static: dict[tuple[int, int, int], _Mixed] = {}
         self._pool = None
 

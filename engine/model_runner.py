@@ -156,11 +156,7 @@ class ModelRunner:
             if mixed_tokens and self.backend == "triton":
                 from splitserve.engine.mixed_graphs import MixedGraphs
 
-                self.graphs.mixed = MixedGraphs(
-                    self.model, self.kv_caches, max_tokens=mixed_tokens, seq_buckets=self.graphs.buckets,
-                    block_buckets=self.graphs.block_buckets, scratch_block=self.scratch_block,
-                    block_size=self.block_size,
-                )
+                self.graphs.mixed = MixedGraphs(self.graphs, mixed_tokens)
         self.layer_listener = None
         """Prefill role with layer-wise streaming (engine/handoff_layerwise.py `LayerPublisher`):
         told when a step's forward pass starts, and called after each local layer of it."""
