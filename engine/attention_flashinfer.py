@@ -40,6 +40,10 @@ WORKSPACE_BYTES = 128 << 20
 """FlashInfer's float workspace (split-KV partial outputs); its documentation's recommended size."""
 
 
+def workspace(device: torch.device) -> torch.Tensor:
+    return torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+
+
 def available() -> bool:
     """FlashInfer importable and a CUDA device present."""
     return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -101,11 +105,11 @@ class _Planner:
         import flashinfer
 
         self.shape = shape
-        workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        floats = workspace(device)
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            workspace, kv_layout="HND", use_tensor_cores=shape.tensor_cores
+            floats, kv_layout="HND", use_tensor_cores=shape.tensor_cores
         )
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="HND")
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(floats, kv_layout="HND")
 
     def plan(self, tables, ctx_lens, q_starts, decode_only: bool) -> _Planned:
         shape = self.shape
@@ -144,14 +148,15 @@ class GraphDecode:
     `width` pages. `plan(tables, ctx_lens)` before capture and before each replay (host work
     only, plus copies queued on the current stream)."""
 
-    def __init__(self, device: torch.device, shape: Shape, batch: int, width: int):
+    def __init__(self, device: torch.device, shape: Shape, batch: int, width: int, workspace: torch.Tensor):
+        """`workspace`: the float workspace, shared by every graph of an engine (one replays at a
+        time, in stream order; each is planned again before it replays)."""
         import flashinfer
 
         self.shape = shape
-        self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self._copied: torch.cuda.Event | None = None
         self.wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=shape.tensor_cores,
+            workspace, kv_layout="HND", use_cuda_graph=True, use_tensor_cores=shape.tensor_cores,
             paged_kv_indptr_buffer=torch.zeros(batch + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buffer=torch.zeros(batch * width, dtype=torch.int32, device=device),
             paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),

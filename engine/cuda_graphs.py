@@ -105,6 +105,8 @@ class DecodeGraphs:
         """Draw sampled rows from captured sampler graphs (`draw`); 0 = eager draws."""
         self.mixed = None
         """Graphs for steps with prefill chunks (engine/mixed_graphs.py `MixedGraphs`), or None."""
+        self._fi_workspace: torch.Tensor | None = None
+        """flashinfer backend: the float workspace every graph's wrapper shares."""
 
     @property
     def max_batch(self) -> int:
@@ -169,6 +171,7 @@ class DecodeGraphs:
         self._static.clear()
         self._pool = None
         self._last = None
+        self._fi_workspace = None
         if self.mixed is not None:
             self.mixed.reset()
 
@@ -196,9 +199,12 @@ class DecodeGraphs:
         ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
         planned = None
         if self.flashinfer is not None:
-            from splitserve.engine.attention_flashinfer import GraphDecode
+            from splitserve.engine import attention_flashinfer
 
-            static.flashinfer = GraphDecode(device, self.flashinfer, bucket, width)
+            if self._fi_workspace is None:
+                self._fi_workspace = attention_flashinfer.workspace(device)
+            static.flashinfer = attention_flashinfer.GraphDecode(device, self.flashinfer, bucket, width,
+                                                                 self._fi_workspace)
             _, _, _, host_lens, host_tables = _fields(template, bucket)
             static.flashinfer.plan(host_tables.numpy(), host_lens.numpy())
             planned = static.flashinfer.planned
