@@ -101,7 +101,8 @@ class MixedGraphs:
         self.model, self.kv_caches = decode.model, decode.kv_caches
         self.scratch_block, self.block_size = decode.scratch_block, decode.block_size
         self.seq_buckets, self.block_buckets = decode.buckets, decode.block_buckets
-        self.token_buckets = token_buckets(max_tokens)
+        # the padding sequence (up to a bucket's tokens) must fit the narrowest block table
+        self.token_buckets = token_buckets(min(max_tokens, self.block_buckets[0] * self.block_size))
         self._static: dict[tuple[int, int, int], _Mixed] = {}
         self._pool = None
 

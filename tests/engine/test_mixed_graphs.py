@@ -21,6 +21,18 @@ def test_token_buckets_double_from_16_up_to_the_budget():
     assert token_buckets(8) == [8]
 
 
+def test_the_token_budget_fits_the_padding_sequence_in_the_narrowest_block_table():
+    from splitserve.engine.cuda_graphs import DecodeGraphs
+    from splitserve.engine.mixed_graphs import MixedGraphs
+
+    def mixed(max_blocks: int) -> MixedGraphs:
+        decode = DecodeGraphs(None, [], max_batch=8, max_blocks=max_blocks, scratch_block=9, block_size=16)
+        return MixedGraphs(decode, 512)
+
+    assert mixed(4096).token_buckets == [16, 32, 64, 128, 256, 512]  # the 2k-token bucket holds 512
+    assert mixed(4).token_buckets == [16, 32, 64]  # a 64-token model: 4 blocks hold 64 padding tokens
+
+
 @dataclass
 class _Req:
     tokens: list[int]
