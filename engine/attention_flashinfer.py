@@ -75,9 +75,8 @@ def paged_indices(
 class _Planned:
     """One step's planned wrapper; `run(q, kv)` per layer."""
 
-    def __init__(self, wrapper, decode: bool):
+    def __init__(self, wrapper):
         self.wrapper = wrapper
-        self.decode = decode
 
     def run(self, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         return self.wrapper.run(q, (kv[0], kv[1]), out=out)
@@ -116,13 +115,13 @@ class _Planner:
         indptr, indices, last = paged_indices(tables, ctx_lens, shape.block_size)
         if decode_only:
             shape.plan_decode(self.decode, indptr, indices, last)
-            return _Planned(self.decode, True)
+            return _Planned(self.decode)
         self.prefill.plan(
             torch.tensor(q_starts, dtype=torch.int32), indptr, indices, last,
             shape.num_q_heads, shape.num_kv_heads, shape.head_dim, shape.block_size,
             causal=True, sm_scale=shape.scale, q_data_type=shape.dtype, kv_data_type=shape.dtype,
         )
-        return _Planned(self.prefill, False)
+        return _Planned(self.prefill)
 
 
 class FlashInferPlanner:
@@ -131,7 +130,6 @@ class FlashInferPlanner:
 
     def __init__(self, device: torch.device, shape: Shape):
         require()
-        self.shape = shape
         self._planners = (_Planner(device, shape), _Planner(device, shape))
         self._turn = 0
 
@@ -161,7 +159,7 @@ class GraphDecode:
             paged_kv_indices_buffer=torch.zeros(batch * width, dtype=torch.int32, device=device),
             paged_kv_last_page_len_buffer=torch.zeros(batch, dtype=torch.int32, device=device),
         )
-        self.planned = _Planned(self.wrapper, True)
+        self.planned = _Planned(self.wrapper)
         self._pinned = tuple(
             torch.zeros(n, dtype=torch.int32).pin_memory() for n in (batch + 1, batch * width, batch)
         )
