@@ -218,7 +218,8 @@ def decode_case(batch: int, ctx: int, bw: float) -> None:
     ctx_lens = torch.tensor(ctx_lens_list, device="cuda", dtype=torch.int32)
     kv0, table0 = layers[0]
     ours = decode_mod.paged_decode_attention(q, kv0, table0, ctx_lens, SCALE)
-    status = check("decode", ours, reference.paged_decode_reference(q, kv0, table0, ctx_lens, SCALE))
+    expected = reference.paged_decode_reference(q, kv0, table0, ctx_lens, SCALE)
+    status = check("decode", ours, expected)
     plan = decode_mod.plan_decode(batch, HKV, table0.shape[1], BLOCK, q.device)
 
     outs = [torch.empty_like(q) for _ in layers]
@@ -248,7 +249,6 @@ def decode_case(batch: int, ctx: int, bw: float) -> None:
             for k, v in dense
         ]
     )
-    expected = reference.paged_decode_reference(q, kv0, table0, ctx_lens, SCALE)
     starts = list(range(batch + 1))
     t_fi = time_flashinfer(q, layers, ctx_lens_list, starts, True, expected, tensor_cores=False)
     t_fi_tc = time_flashinfer(q, layers, ctx_lens_list, starts, True, expected, tensor_cores=True)
@@ -291,9 +291,8 @@ def prefill_case(batch: int, q_len: int, ctx: int, bw: float) -> None:
     ctx_lens = torch.tensor(ctx_lens_list, device="cuda", dtype=torch.int32)
     kv0, table0 = layers[0]
     ours = prefill_mod.paged_prefill_attention(q, kv0, table0, q_starts, ctx_lens, SCALE)
-    status = check(
-        "prefill", ours, reference.paged_prefill_reference(q, kv0, table0, q_starts, ctx_lens, SCALE)
-    )
+    expected = reference.paged_prefill_reference(q, kv0, table0, q_starts, ctx_lens, SCALE)
+    status = check("prefill", ours, expected)
     t_ours, mode = time_calls(
         [
             (lambda kv=kv, t=t: prefill_mod.paged_prefill_attention(q, kv, t, q_starts, ctx_lens, SCALE))
@@ -303,7 +302,6 @@ def prefill_case(batch: int, q_len: int, ctx: int, bw: float) -> None:
     t_torch, _ = time_calls(
         [(lambda kv=kv, t=t: torch_prefill(q, kv, t, q_lens, ctx_lens_list)) for kv, t in layers]
     )
-    expected = reference.paged_prefill_reference(q, kv0, table0, q_starts, ctx_lens, SCALE)
     t_fi = time_flashinfer(q, layers, ctx_lens_list, q_starts.cpu().tolist(), False, expected)
     prefix = ctx - q_len
     visible = batch * (q_len * prefix + q_len * (q_len + 1) // 2)  # (query, key) pairs computed
