@@ -17,9 +17,13 @@ transfer plan, for 1k / 8k / 32k-token prompts, per transport:
 
     python benchmarks/handoff.py                         # CPU: shm, nixl, torch_dist (gloo)
     python benchmarks/handoff.py --transports nixl,nixl_strided --no-exposed   # NIXL reshards: staged vs strided
+    python benchmarks/handoff.py --transports nixl,nixl_packed   # NIXL reshards: staged vs packed on the source
     python benchmarks/handoff.py --gpu                   # H200: cuda_ipc, nixl (VRAM); NCCL needs 2 GPUs
     python benchmarks/handoff.py --gpu --ucx-tls cuda_ipc,cuda_copy,tcp,self
 
+nixl_packed reshards: the source packs the head slices (engine/transfer/source_pack.py) before
+the timed pull, as a prefill worker does layer by layer under its compute; `source pack ms` is
+that packing's own time (nan: nothing packed).
 torch_dist and cuda_ipc have no layer-wise mode (no board): their exposed columns read n/a.
 """
 
@@ -50,7 +54,7 @@ def main() -> None:
     p.add_argument("--no-exposed", action="store_true", help="throughput only: skip the exposed-time runs")
     args = p.parse_args()
     device = "cuda" if args.gpu else "cpu"
-    kinds = (args.transports or ("cuda_ipc,nixl" if args.gpu else "shm,nixl,torch_dist")).split(",")
+    kinds = (args.transports or ("cuda_ipc,nixl" if args.gpu else "shm,nixl_packed,torch_dist")).split(",")
     tokens = [int(t) for t in args.tokens.split(",")]
     if args.ucx_tls:
         os.environ["UCX_TLS"] = args.ucx_tls
@@ -60,7 +64,7 @@ def main() -> None:
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  {LAYERS} layers, block {BLOCK}, bf16, {args.threads} "
           f"thread(s), prefill modelled at {args.prefill_tok_s:,.0f} tok/s, load average {os.getloadavg()[0]:.1f}")
     print(f"{'transport':>10} {'case':>8} {'tokens':>7} {'MB':>8} {'GB/s':>7} {'copy GB/s':>9} {'ratio':>6} {'med':>6} "
-          f"{'prefill ms':>10} {'exposed off ms':>14} {'exposed layerwise ms':>20}")
+          f"{'prefill ms':>10} {'exposed off ms':>14} {'exposed layerwise ms':>20} {'source pack ms':>14}")
     for kind in kinds:
         with tempfile.TemporaryDirectory() as store_dir:
             a, b = ctx.Pipe()
@@ -86,7 +90,7 @@ def main() -> None:
                 print(f"{kind:>10} {r['case']:>8} {r['tokens']:>7} {r['bytes'] / 1e6:>8.1f} {r['gbps']:>7.2f} "
                       f"{r['copy_gbps']:>9.2f} {r['gbps'] / r['copy_gbps']:>6.1%} {r['median_ratio']:>6.1%} "
                       f"{r['prefill_s'] * 1e3:>10.1f} "
-                      f"{off:>14} {on:>20}")
+                      f"{off:>14} {on:>20} {r['pack_ms']:>14.1f}")
     print(f"layer-wise streaming available for: {', '.join(k for k in kinds if k in STREAMING) or 'none'}")
 
 

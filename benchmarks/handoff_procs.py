@@ -2,9 +2,13 @@
 and a destination that pulls from it and times the pulls against a plain copy.
 
 Commands over the pipe, destination → source:
-    ("prefill", num_tokens, layer_s, request_id)   open a board slot, say "started", then mark
-                                                   one layer every layer_s seconds; send the
-                                                   monotonic time prefill ended; close the slot
+    ("prefill", num_tokens, layer_s, request_id, dst_tp)
+                                                   open a board slot, say ("started", slot,
+                                                   endpoint bytes), then mark one layer every
+                                                   layer_s seconds (nixl_packed: pack each layer
+                                                   for a tp=dst_tp destination first); send the
+                                                   monotonic time prefill ended; wait for the
+                                                   ack; close the slot (and free the packing)
     plan (torch_dist only)                         send this plan's ops
     None                                           exit
 """
@@ -20,7 +24,7 @@ from datetime import timedelta
 import torch
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 16, 8, 64, 16
-STREAMING = ("shm", "nixl", "nixl_strided")
+STREAMING = ("shm", "nixl", "nixl_strided", "nixl_packed")
 """Transports with a progress board (layer-wise streaming)."""
 
 
@@ -36,11 +40,13 @@ def pool(num_blocks: int, heads: int, device: str) -> list[torch.Tensor]:
             for _ in range(LAYERS)]
 
 
-def make(kind: str):
-    if kind in ("nixl", "nixl_strided"):  # nixl_strided: reshards without staging (A/B)
+def make(kind: str, pack_arena_bytes: int = 0):
+    """nixl_strided: reshards read head slices from the pool (A/B against nixl's staging);
+    nixl_packed: the source packs them (engine/transfer/source_pack.py)."""
+    if kind in ("nixl", "nixl_strided", "nixl_packed"):
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
-        return NixlTransport(stage_reshards=kind == "nixl")
+        return NixlTransport(stage_reshards=kind == "nixl", pack_arena_bytes=pack_arena_bytes)
     if kind == "shm":
         from splitserve.engine.transfer.shm_transport import ShmTransport
 
@@ -69,18 +75,31 @@ def source(conn, kind: str, max_blocks: int, device: str, store_dir: str, thread
         while (plan := conn.recv()) is not None:
             send_plan(plan, 0, kv, {0: 1}, group=group)
         return
-    transport = make(kind)
+    packing = kind == "nixl_packed"
+    transport = make(kind, sum(t.numel() * t.element_size() for t in kv) if packing else 0)
     conn.send((transport.expose(kv), b""))
     board = transport.board
     while (msg := conn.recv()) is not None:
-        _, num_tokens, layer_s, request_id = msg
+        _, num_tokens, layer_s, request_id, dst_tp = msg
         slot = board.open(request_id)
-        conn.send(("started", slot))
-        for layer in range(LAYERS):  # "compute" the layer, then publish it (readiness only)
-            time.sleep(layer_s)
+        blocks = list(range(num_tokens // BLOCK))
+        if packing:
+            transport.pack_begin(request_id, layout(1), layout(dst_tp), 0, blocks)
+            meta = transport.packed_metadata(request_id)
+        conn.send(("started", slot, meta if packing else None))
+        pack_s = 0.0
+        for layer in range(LAYERS):  # "compute" the layer (pack it), then publish it (readiness only)
+            if layer_s:
+                time.sleep(layer_s)
+            if packing:
+                t0 = time.perf_counter()
+                transport.pack_layers(request_id, kv, layer, layer + 1)
+                pack_s += time.perf_counter() - t0
             board.mark(slot, layer, None, (), num_tokens)
-        conn.send(time.monotonic())
+        conn.send((time.monotonic(), pack_s))
         conn.recv()  # the destination's ack
+        if packing:
+            transport.pack_release(request_id)
         board.close(request_id)
     transport.close()
 
@@ -129,7 +148,9 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
             plan = _only_rank0(build_plan(layout(1), layout(dst_tp), {0: list(range(n))},
                                           {r: list(range(n)) for r in range(dst_tp)}))
 
-            def pull(plan=plan, kv=kv):
+            def pull(plan=plan, kv=kv, dst_tp=dst_tp, n_tokens=n_tokens):
+                if kind == "nixl_packed" and dst_tp > 1:  # the source packs while we read: timed together
+                    return _packed_pull(conn, transport, plan, kv, n_tokens, dst_tp)
                 if kind == "torch_dist":
                     from splitserve.engine.transfer.torch_dist import recv_plan
 
@@ -142,39 +163,69 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
             for _ in range(repeats):  # interleaved, so both see the same machine load
                 t0 = time.perf_counter()
                 stats = pull()  # returns with the data in place (the transports' contract)
-                times.append(time.perf_counter() - t0)
+                times.append(stats.seconds if kind == "nixl_packed" and dst_tp > 1 else time.perf_counter() - t0)
                 _sync(device)
                 copies.append(_copy_time(stats.num_bytes, device))
             moved = stats.num_bytes
             prefill_s = n_tokens / prefill_tok_s
             row = dict(case=case, tokens=n_tokens, bytes=moved, gbps=moved / min(times) / 1e9,
                        copy_gbps=moved / min(copies) / 1e9, median_ratio=statistics.median(copies) / statistics.median(times),
-                       prefill_s=prefill_s, exposed_off=None, exposed_on=None)
+                       prefill_s=prefill_s, exposed_off=None, exposed_on=None,
+                       pack_ms=1e3 * min(_PACK_TIMES.pop(n_tokens, [float("nan")])))
             if kind in STREAMING and exposed:
-                row["exposed_off"] = min(_exposed(conn, n_tokens, prefill_s, f"off-{i}", pull, None)
-                                         for i in range(2))
-                def stream(rid, slot, plan=plan, kv=kv, n_tokens=n_tokens):
+                def stream(rid, slot, source_meta, plan=plan, kv=kv, n_tokens=n_tokens):
                     spec = StreamSpec(slot, request_tag(rid), n_tokens)
-                    return streamed_pull(transport, plan, 0, {0: meta}, kv, spec, timeout_s=120, verify=False)
+                    return streamed_pull(transport, plan, 0, {0: source_meta or meta}, kv, spec, timeout_s=120,
+                                         verify=False)
 
-                row["exposed_on"] = min(_exposed(conn, n_tokens, prefill_s, f"on-{i}", None, stream) for i in range(2))
+                def after(source_meta, plan=plan, kv=kv):
+                    return transport.pull(plan, 0, {0: source_meta or meta}, kv)
+
+                row["exposed_off"] = min(_exposed(conn, n_tokens, prefill_s, f"off-{i}", dst_tp, after, None)
+                                         for i in range(2))
+                row["exposed_on"] = min(_exposed(conn, n_tokens, prefill_s, f"on-{i}", dst_tp, None, stream)
+                                        for i in range(2))
             rows.append(row)
     conn.send(None)
     out.put(rows)
 
 
-def _exposed(conn, n_tokens, prefill_s, request_id, pull_after, stream) -> float:
+_PACKED_REQUESTS = iter(range(1 << 62))
+
+
+def _packed_pull(conn, transport, plan, kv, n_tokens, dst_tp):
+    """A reshard read from a source that packed the head slices (for all `dst_tp` ranks) first,
+    as a prefill worker does layer by layer while it computes: the timed pull starts once the
+    source has packed (its pack time is printed apart)."""
+    rid = f"packed-{next(_PACKED_REQUESTS)}"
+    conn.send(("prefill", n_tokens, 0.0, rid, dst_tp))
+    started, _, meta = conn.recv()
+    assert started == "started"
+    _, pack_s = conn.recv()
+    _PACK_TIMES.setdefault(n_tokens, []).append(pack_s)
+    t0 = time.perf_counter()
+    stats = transport.pull(plan, 0, {0: meta}, kv)
+    seconds = time.perf_counter() - t0
+    conn.send("ack")
+    return replace(stats, seconds=seconds)
+
+
+_PACK_TIMES: dict[int, list[float]] = {}
+"""Source seconds spent packing, per prompt length (printed by the destination)."""
+
+
+def _exposed(conn, n_tokens, prefill_s, request_id, dst_tp, pull_after, stream) -> float:
     """Seconds the handoff ran past the end of a modelled prefill (0 if it finished within it)."""
-    conn.send(("prefill", n_tokens, prefill_s / LAYERS, request_id))
-    started, slot = conn.recv()
+    conn.send(("prefill", n_tokens, prefill_s / LAYERS, request_id, dst_tp))
+    started, slot, meta = conn.recv()
     assert started == "started"
     if stream is not None:
-        stream(request_id, slot)
+        stream(request_id, slot, meta)
         done = time.monotonic()
-        prefill_end = conn.recv()
+        prefill_end, _ = conn.recv()
     else:
-        prefill_end = conn.recv()
-        pull_after()
+        prefill_end, _ = conn.recv()
+        pull_after(meta)
         done = time.monotonic()
     conn.send("ack")
     return max(0.0, done - prefill_end)

@@ -10,6 +10,8 @@ import json
 import struct
 from dataclasses import dataclass
 
+from splitserve.engine.transfer.source_pack import PackedSource
+
 _MAGIC = b"SSNX1"
 
 
@@ -29,6 +31,8 @@ class NixlEndpoint:
     """Address of the rank's progress board (DRAM, int64 [board_slots, board_width]); 0: none."""
     board_slots: int = 0
     board_width: int = 0
+    packed: PackedSource | None = None
+    """One request's head slices packed on this rank (`source_pack.py`); None: read the pool."""
 
     def __post_init__(self) -> None:
         if self.mem_type not in ("DRAM", "VRAM"):
@@ -41,6 +45,7 @@ class NixlEndpoint:
             "mem_type": self.mem_type, "device_id": self.device_id, "layer_addrs": list(self.layer_addrs),
             "layer_shape": list(self.layer_shape), "dtype": self.dtype,
             "board": [self.board_addr, self.board_slots, self.board_width],
+            **({"packed": self.packed.to_json()} if self.packed is not None else {}),
         }).encode()
         return _MAGIC + struct.pack("<I", len(header)) + header + self.agent_metadata
 
@@ -56,4 +61,5 @@ class NixlEndpoint:
             agent_metadata=data[start + size:], mem_type=header["mem_type"], device_id=header["device_id"],
             layer_addrs=tuple(header["layer_addrs"]), layer_shape=tuple(header["layer_shape"]),
             dtype=header["dtype"], board_addr=board_addr, board_slots=board_slots, board_width=board_width,
+            packed=PackedSource.from_json(header["packed"]) if "packed" in header else None,
         )

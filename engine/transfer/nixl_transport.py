@@ -24,16 +24,26 @@ import time
 import types
 import uuid
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import numpy as np
 import torch
 
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
 from splitserve.engine.transfer.nixl_staging import should_stage, staged_pull
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.progress import NUM_BOARD_SLOTS, ProgressBoard
 from splitserve.engine.transfer.regions import Regions, ops_regions
+from splitserve.engine.transfer.source_pack import (
+    PackArena,
+    PackJob,
+    pack_groups,
+    pack_layers,
+    packed_regions,
+    start_job,
+)
 from splitserve.engine.transfer.transport import (
     KVTransport,
     TransferError,
@@ -104,6 +114,13 @@ def _nixl_api():
     return nixl_agent, nixl_agent_config
 
 
+def _torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
 def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.get_device()) if t.is_cuda else ("DRAM", 0)
 
@@ -115,13 +132,15 @@ class NixlTransport(KVTransport):
 
     def __init__(self, name: str | None = None, num_threads: int = 0, poll_sleep_s: float = 0.0002,
                  num_board_slots: int = NUM_BOARD_SLOTS, stage_reshards: bool = True, progress_thread: bool = True,
-                 progress_delay_us: int | None = None):
+                 progress_delay_us: int | None = None, pack_arena_bytes: int = 0):
         """`progress_thread`: NIXL's UCX progress thread. A side that others read from needs it
         (UCX emulates a read over TCP with messages the owner must answer, and answers connection
         setup); a side that only pulls does not — it progresses its worker itself while it polls
         its own reads — so decode workers run without it. `progress_delay_us` (default
         `PROGRESS_DELAY_US`): the thread's poll timeout; NIXL's own 0 spins a core, which doubled
-        a prefill's compute time on a shared core (benchmarks/RESULTS.md, 2026-12-02)."""
+        a prefill's compute time on a shared core (benchmarks/RESULTS.md, 2026-12-02).
+        `pack_arena_bytes`: memory a source rank registers for source-packed reshards
+        (`source_pack.py`, `pack_begin`); 0 = none, destinations read head slices from the pool."""
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         nixl_agent, nixl_agent_config = _nixl_api()
@@ -151,6 +170,10 @@ class NixlTransport(KVTransport):
         self._registered: dict[tuple[int, int], object] = {}  # (addr, nbytes) -> reg descs
         self._remote_names: dict[bytes, str] = {}  # sha256(agent metadata) -> agent name
         self._rows: dict[int, torch.Tensor] = {}  # width -> registered landing row of board reads
+        self._pack_arena_bytes = int(pack_arena_bytes)
+        self._arena: PackArena | None = None
+        self._jobs: dict[str, PackJob] = {}
+        self._endpoint: NixlEndpoint | None = None
         self._closed = False
 
     def _register(self, kv_tensors: Sequence[torch.Tensor]) -> None:
@@ -165,14 +188,66 @@ class NixlTransport(KVTransport):
         board = ProgressBoard.for_pool(kv_tensors, self._num_board_slots)
         if self.board is None or self.board.shape != board.shape:  # exposed again: keep live slots
             self.board = board
-        self._register([*kv_tensors, self.board.tensor])  # before taking the metadata: it covers both
+        if self._pack_arena_bytes and (self._arena is None or self._arena.tensor.device != kv_tensors[0].device):
+            self._jobs.clear()
+            self._arena = PackArena(torch.empty(self._pack_arena_bytes, dtype=torch.uint8, device=kv_tensors[0].device))
+        arena = [self._arena.tensor] if self._arena is not None else []
+        self._register([*kv_tensors, self.board.tensor, *arena])  # before taking the metadata: it covers all
         mem_type, device_id = _mem(kv_tensors[0])
-        return NixlEndpoint(
+        self._endpoint = NixlEndpoint(
             agent_metadata=self._agent.get_agent_metadata(), mem_type=mem_type, device_id=device_id,
             layer_addrs=tuple(t.data_ptr() for t in kv_tensors), layer_shape=tuple(kv_tensors[0].shape),
             dtype=str(kv_tensors[0].dtype).removeprefix("torch."), board_addr=self.board.tensor.data_ptr(),
             board_slots=self.board.shape.num_slots, board_width=self.board.shape.width,
-        ).to_bytes()
+        )
+        return self._endpoint.to_bytes()
+
+    # ---- source-packed reshards (source_pack.py) ----------------------------------------------
+
+    def pack_begin(self, request_id: str, src: KVLayout, dst: KVLayout, src_rank: int,
+                   block_ids: Sequence[int]) -> bool:
+        """Reserve arena room to pack `request_id`'s head slices that layout `dst` reads strided
+        from this rank. False (nothing reserved) when no slice is strided, there is no arena, or
+        it is full: the destination then reads the pool. Layers are packed by `pack_layers`."""
+        if self._arena is None or self._endpoint is None or request_id in self._jobs:
+            return request_id in self._jobs
+        groups = pack_groups(src, dst, src_rank)
+        if not groups or not block_ids:
+            return False
+        num_layers = src.num_local_layers(src.pp_rank(src_rank))
+        job = start_job(self._arena, src, groups, num_layers, block_ids, _torch_dtype(self._endpoint.dtype))
+        if job is None:
+            return False
+        self._jobs[request_id] = job
+        return True
+
+    def pack_layers(self, request_id: str, kv_tensors: Sequence[torch.Tensor], start: int, end: int) -> None:
+        """Pack local layers [start, end) of a request `pack_begin` accepted (a no-op otherwise).
+        Publish a layer (board mark, descriptor) only after it is packed."""
+        job = self._jobs.get(request_id)
+        if job is not None:
+            pack_layers(job, kv_tensors, start, end)
+            if kv_tensors[0].is_cuda:
+                torch.cuda.current_stream(kv_tensors[0].device).synchronize()
+
+    def packed_metadata(self, request_id: str) -> bytes:
+        """This rank's endpoint bytes for `request_id`: with its packed slices when it has them."""
+        if self._endpoint is None:
+            raise TransferError(f"NIXL agent {self.name} has exposed nothing")
+        job = self._jobs.get(request_id)
+        return (self._endpoint if job is None else replace(self._endpoint, packed=job.packed)).to_bytes()
+
+    def pack_release(self, request_id: str) -> None:
+        """Free a request's packed slices (on the destination's acknowledgement, cancel, or lease
+        expiry — the same moments its pool blocks are unpinned). Idempotent."""
+        job = self._jobs.pop(request_id, None)
+        if job is not None and self._arena is not None:
+            for start, nbytes in job.spans:
+                self._arena.free(start, nbytes)
+
+    @property
+    def packs_in_use(self) -> int:
+        return len(self._jobs)
 
     def _remote_agent(self, agent_metadata: bytes) -> str:
         key = hashlib.sha256(agent_metadata).digest()
@@ -201,10 +276,11 @@ class NixlTransport(KVTransport):
         pending: dict[object, object] = {}
         num_bytes = num_regions = 0
 
-        def post(key, ep: NixlEndpoint, regions: Regions, local_starts: np.ndarray) -> None:
+        def post(key, ep: NixlEndpoint, regions: Regions, local_starts: np.ndarray, absolute: bool = False) -> None:
             local = np.stack([local_starts + regions.dst_offset, regions.num_bytes,
                               np.full(len(regions), local_dev)], axis=1).astype(np.uint64)
-            far = np.stack([np.asarray(ep.layer_addrs, dtype=np.int64)[regions.src_layer] + regions.src_offset,
+            far_starts = 0 if absolute else np.asarray(ep.layer_addrs, dtype=np.int64)[regions.src_layer]
+            far = np.stack([far_starts + regions.src_offset,
                             regions.num_bytes, np.full(len(regions), ep.device_id)], axis=1).astype(np.uint64)
             handle = self._agent.initialize_xfer(
                 "READ", self._agent.get_xfer_descs(local, local_mem),
@@ -224,6 +300,14 @@ class NixlTransport(KVTransport):
                 ep = NixlEndpoint.from_bytes(remote[src_rank])
                 self._check_endpoint(ep, plan, src_rank)
                 ops = plan.ops_for_pair(src_rank, dst_rank)
+                if ep.packed is not None:  # slices the source packed: contiguous reads of its arena
+                    found = [(op, packed_regions(op, plan.src, plan.dst, dst_pool, ep.packed)) for op in ops]
+                    packed = Regions.concat(r for _, r in found if r is not None)
+                    if len(packed):
+                        post((src_rank, "packed"), ep, packed, local_addrs[packed.dst_layer], absolute=True)
+                        num_bytes += packed.bytes_total
+                        num_regions += len(packed)
+                    ops = tuple(op for op, r in found if r is None)
                 stage = [op for op in ops if self._stage_reshards and should_stage(op, plan.src)]
                 direct = [op for op in ops if op not in stage]
                 if direct:  # posted first: they run while the staged chunks are read and cut
@@ -318,6 +402,9 @@ class NixlTransport(KVTransport):
         self._registered.clear()
         self._rows.clear()
         self._staging = []
+        self._arena = None
+        self._jobs.clear()
+        self._endpoint = None
 
     def close(self) -> None:
         if self._closed:
@@ -333,5 +420,7 @@ class NixlTransport(KVTransport):
         self._registered.clear()
         self._rows.clear()
         self._staging = []
+        self._arena = None
+        self._jobs.clear()
         self._remote_names.clear()
         self._agent = None

@@ -74,7 +74,7 @@ def op_regions(
     db = np.tile(dst_blocks, 2 * op.num_layers)
     s_off = ((kv * src_pool_blocks + sb) * src.num_local_heads + op.src_head_start) * unit
     d_off = ((kv * dst_pool_blocks + db) * dst.num_local_heads + op.dst_head_start) * unit
-    return _coalesce(Regions(
+    return coalesce(Regions(
         src_layer=layer + op.src_layer_start,
         src_offset=s_off,
         dst_layer=layer + op.dst_layer_start,
@@ -90,7 +90,7 @@ def ops_regions(
     return Regions.concat(op_regions(op, src, dst, src_pool_blocks, dst_pool_blocks) for op in ops)
 
 
-def _coalesce(r: Regions) -> Regions:
+def coalesce(r: Regions) -> Regions:
     if len(r) <= 1:
         return r
     src_end = r.src_offset + r.num_bytes
