@@ -169,3 +169,21 @@ def test_streamed_pull_reads_each_layer_once_the_source_packed_and_marked_it():
         finally:
             thread.join()
     assert_pools_equal(dst_kv, expected, "streamed packed pull")
+
+
+def test_packed_pull_between_gpu_pools():
+    """VRAM arena and pools (the GPU path packs by one gather per layer and group)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    transport = _nixl()
+    src_lay, dst_lay = layout(1, 1, 8), layout(2, 1, 8)
+    plan, src_t, src_kv, dst_kv, expected = _case(src_lay, dst_lay, 1, seed=17)
+    src_kv = {r: [t.cuda() for t in kv] for r, kv in src_kv.items()}
+    dst_kv = {r: [t.cuda() for t in kv] for r, kv in dst_kv.items()}
+    with transport(pack_arena_bytes=1 << 20) as src_x, transport() as dst_x:
+        src_x.expose(src_kv[0])
+        assert src_x.pack_begin("g", src_lay, dst_lay, 0, src_t[0])
+        src_x.pack_layers("g", src_kv[0], 0, 3)
+        for rank in range(2):
+            dst_x.pull(plan, rank, {0: src_x.packed_metadata("g")}, dst_kv[rank])
+    assert_pools_equal({r: [t.cpu() for t in kv] for r, kv in dst_kv.items()}, expected, "packed pull, GPU")
