@@ -69,10 +69,13 @@ class LayerPublisher:
     `board` returns the transport's board, or None when streaming is off; `on_started` (rank 0)
     publishes the preview. Owned by the engine thread."""
 
-    def __init__(self, engine, board: Callable[[], ProgressBoard | None], on_started: StartedCallback | None = None):
+    def __init__(self, engine, board: Callable[[], ProgressBoard | None], on_started: StartedCallback | None = None,
+                 packer=None):
+        """`packer` (engine/handoff_pack.py): packs each layer's head slices before its mark."""
         self.engine = engine
         self.board = board
         self.on_started = on_started
+        self.packer = packer
 
     def forward_started(self, out) -> Callable[[int], None] | None:
         """Open slots for the chunks of `out` that complete their prompt; returns the per-layer
@@ -80,7 +83,7 @@ class LayerPublisher:
         board = self.board()
         if board is None:
             return None
-        live: list[tuple[int, int]] = []
+        live: list[tuple[int, int, str]] = []
         block_size = self.engine.block_size
         for chunk in out.chunks:
             req = chunk.request
@@ -90,17 +93,21 @@ class LayerPublisher:
                 slot = board.open(req.request_id)
             except RuntimeError:  # board full: this handoff is published without streaming
                 continue
-            live.append((slot, req.prompt_len))
+            live.append((slot, req.prompt_len, req.request_id))
+            num_blocks = -(-req.prompt_len // block_size)
+            if self.packer is not None:  # before the preview: it names the packed memory
+                self.packer.begin(req.request_id, req.block_ids[:num_blocks])
             if self.on_started is not None:
-                num_blocks = -(-req.prompt_len // block_size)
                 self.on_started(req.request_id, slot, tuple(req.block_ids[:num_blocks]), req.prompt_len)
         if not live:
             return None
         if self.engine.runner.device.type == "cuda":
-            return DeviceLayerMarks(board, live)
+            return DeviceLayerMarks(board, live, self.packer)
 
         def layer_written(local_layer: int) -> None:
-            for slot, num_tokens in live:
+            for slot, num_tokens, request_id in live:
+                if self.packer is not None:
+                    self.packer.layers(request_id, local_layer, local_layer + 1)
                 board.mark(slot, local_layer, None, (), num_tokens)
 
         return layer_written
@@ -111,12 +118,13 @@ class DeviceLayerMarks:
     behind it on the current stream); `drain` waits for the events in order and marks each
     layer on the board as it completes. Engine thread only."""
 
-    def __init__(self, board: ProgressBoard, live: list[tuple[int, int]]) -> None:
+    def __init__(self, board: ProgressBoard, live: list[tuple[int, int, str]], packer=None) -> None:
         import torch
 
         self._event = torch.cuda.Event
         self.board = board
         self.live = live
+        self.packer = packer
         self.pending: list[tuple[int, object]] = []
 
     def __call__(self, local_layer: int) -> None:
@@ -127,6 +135,8 @@ class DeviceLayerMarks:
     def drain(self) -> None:
         for local_layer, event in self.pending:
             event.synchronize()
-            for slot, num_tokens in self.live:
+            for slot, num_tokens, request_id in self.live:
+                if self.packer is not None:
+                    self.packer.layers(request_id, local_layer, local_layer + 1)
                 self.board.mark(slot, local_layer, None, (), num_tokens)
         self.pending.clear()

@@ -32,6 +32,15 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "meanwhile (nixl, shm; cuda_ipc and torch_dist ignore it). Faster when prefill and decode run on separate "
         "compute (the default, on), slower when they share CPU cores: --no-layerwise there (benchmarks/RESULTS.md)",
     )
+    p.add_argument(
+        "--pack-for-tp",
+        type=int,
+        default=0,
+        metavar="N",
+        help="prefill role, --transport nixl, one rank: pack each handoff's KV head slices for decode workers of TP size "
+        "N while the layers are written, so their pulls read contiguous memory (engine/config.py "
+        "TransferConfig.pack_for_tp; costs up to a quarter of the KV pool in packed copies). Default 0: off",
+    )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
@@ -71,6 +80,7 @@ def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
         max_requests=args.max_requests,
         handoff_lease_s=args.handoff_lease_s,
         layerwise=args.layerwise,
+        pack_for_tp=args.pack_for_tp,
     )
     return WorkerSpec(
         model=args.model,

@@ -80,8 +80,9 @@ class WorkerSpec:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
-def make_transport(kind: str, role: str = "prefill") -> TransportEndpoint:
-    """The rank's transport; `role` "decode" only pulls (a NIXL agent without a progress thread)."""
+def make_transport(kind: str, role: str = "prefill", pack_arena_bytes: int = 0) -> TransportEndpoint:
+    """The rank's transport; `role` "decode" only pulls (a NIXL agent without a progress thread).
+    `pack_arena_bytes`: a NIXL prefill rank's memory for source-packed reshards (handoff_pack.py)."""
     if kind == "sim":
         from splitserve.engine.sim_engine import SimTransport
 
@@ -89,7 +90,7 @@ def make_transport(kind: str, role: str = "prefill") -> TransportEndpoint:
     if kind == "nixl":
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
-        return NixlTransport(progress_thread=role != "decode")
+        return NixlTransport(progress_thread=role != "decode", pack_arena_bytes=pack_arena_bytes)
     if kind == "shm":
         from splitserve.engine.transfer.shm_transport import ShmTransport
 
@@ -105,6 +106,20 @@ def make_transport(kind: str, role: str = "prefill") -> TransportEndpoint:
     from splitserve.engine.transfer.inproc import InProcTransport
 
     return InProcTransport()
+
+
+def _pack_arena_bytes(spec: WorkerSpec, engine: Engine) -> int:
+    """Packed memory for `--pack-for-tp` (prefill role); refuses setups it cannot serve."""
+    config = getattr(engine, "config", None)
+    if config is None or not config.transfer.pack_for_tp or spec.role != "prefill":
+        return 0
+    from splitserve.engine.handoff_pack import arena_bytes, pack_target
+
+    if spec.transport != "nixl" or spec.world_size != 1:
+        raise ValueError(f"--pack-for-tp needs --transport nixl and a one-rank prefill worker "
+                         f"(got {spec.transport}, tp={spec.tensor_parallel_size} x pp={spec.pipeline_parallel_size})")
+    pack_target(engine, config.transfer.pack_for_tp)  # a TP size the model's kv heads fit
+    return arena_bytes(engine)
 
 
 def build_engine(spec: WorkerSpec) -> Engine:
@@ -184,7 +199,7 @@ def _build_rank(
     spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None
 ) -> tuple[Engine, TransportEndpoint, EngineLoop, Any]:
     engine = build_engine(spec)
-    transport = make_transport("sim" if spec.engine == "sim" else spec.transport, spec.role)
+    transport = make_transport("sim" if spec.engine == "sim" else spec.transport, spec.role, _pack_arena_bytes(spec, engine))
     hooks = hooks_factory(engine, transport, _expose(engine, transport, spec.address))
     state = hooks.get("state")
     after_step, block_set = _kv_event_hooks(engine, publisher, hooks.get("after_step"))

@@ -26,6 +26,7 @@ from splitserve.engine.handoff import (
     group_block_checksums,
 )
 from splitserve.engine.handoff_layerwise import LayerPublisher, close_released, publish_layers
+from splitserve.engine.handoff_pack import make_packer
 from splitserve.engine.handoff_push import TorchDistTransport, serve_push
 from splitserve.engine.request import GenerationResult
 from splitserve.engine.state_handoff import build_state_handoff, has_recurrent_state
@@ -113,18 +114,25 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
         return getattr(transport, "board", None) if engine.config.transfer.layerwise else None
 
     is_hybrid = has_recurrent_state(engine)
+    packer = make_packer(engine, transport)
+
+    def endpoints_for(request_id: str) -> dict[int, RankEndpoint]:
+        return packer.endpoints(request_id, state.endpoints) if packer is not None else state.endpoints
 
     def on_started(request_id: str, slot: int, block_ids: tuple[int, ...], num_tokens: int) -> None:
         if state is not None and request_id in state.started:  # someone waits for this preview
             state.signal_started(request_id, build_preview(
-                engine, request_id, slot, block_ids, num_tokens, state.endpoints, state.transport_kind))
+                engine, request_id, slot, block_ids, num_tokens, endpoints_for(request_id), state.transport_kind))
 
     if engine.config.transfer.layerwise and hasattr(engine, "runner"):
-        engine.runner.layer_listener = LayerPublisher(engine, board, on_started if state is not None else None)
+        engine.runner.layer_listener = LayerPublisher(engine, board, on_started if state is not None else None,
+                                                      packer)
 
     def after_step(engine: Engine, outputs: list[StepOutput]) -> None:
         if board() is not None:  # first: slots of released pins are free for this step's handoffs
             close_released(engine, board())
+        if packer is not None:
+            packer.release_done()
         if state is not None:  # first tokens out before any checksum: they are the time to first token
             for out in outputs:
                 if out.result.is_finished and out.result.generated_tokens:  # a handoff is finished too
@@ -134,6 +142,8 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
             if result.status == "handoff":
                 handoff = engine.handoffs[out.request_id]
                 checksums = group_block_checksums(engine, handoff.block_ids)  # every rank
+                if packer is not None:  # packed before any mark or descriptor names it
+                    packer.finish(out.request_id, handoff.block_ids)
                 slot = publish_layers(engine, board(), handoff) if board() is not None else None  # every rank
                 recurrent = None
                 if is_hybrid:  # every rank: the state checksum is a collective too
@@ -143,7 +153,8 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
                     recurrent = build_state_handoff(engine, out.request_id, endpoints_of)
                 if state is not None:
                     top = result.top_n_logprobs[0] if result.top_n_logprobs else None
-                    desc = build_descriptor(engine, handoff, state.endpoints, state.transport_kind, checksums, top,
+                    desc = build_descriptor(engine, handoff, endpoints_for(out.request_id), state.transport_kind,
+                                            checksums, top,
                                             progress_slot=slot)
                     desc = dataclasses.replace(desc, state=recurrent)
                     state.resolve(out.request_id, PrefillOutcome(result, desc))

@@ -245,9 +245,14 @@ class NixlTransport(KVTransport):
             for start, nbytes in job.spans:
                 self._arena.free(start, nbytes)
 
-    @property
-    def packs_in_use(self) -> int:
-        return len(self._jobs)
+    def packed_requests(self) -> list[str]:
+        """Requests holding packed memory (until `pack_release`)."""
+        return list(self._jobs)
+
+    def layers_packed(self, request_id: str) -> int:
+        """Local layers of a request packed so far (0: none, or not packing it)."""
+        job = self._jobs.get(request_id)
+        return 0 if job is None else job.layers_packed
 
     def _remote_agent(self, agent_metadata: bytes) -> str:
         key = hashlib.sha256(agent_metadata).digest()

@@ -96,7 +96,7 @@ def test_packed_pulls_deliver_the_plan_bit_for_bit_in_fewer_regions(src, dst, fi
                     assert got.num_regions == base.num_regions
             for e in endpoints:
                 e.pack_release("r1")
-                assert e.packs_in_use == 0
+                assert e.packed_requests() == []
         finally:
             for e in endpoints:
                 e.close()
