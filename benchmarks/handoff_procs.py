@@ -35,9 +35,19 @@ def layout(tp: int = 1):
                     head_dim=HEAD_DIM)
 
 
+def _host(shape, dtype) -> torch.Tensor:
+    """CPU memory as the engine allocates its KV pool (huge pages, engine/host_memory.py), for the
+    pools and the plain copy alike."""
+    from splitserve.engine.host_memory import huge_page_empty
+
+    return huge_page_empty(shape, dtype)
+
+
 def pool(num_blocks: int, heads: int, device: str) -> list[torch.Tensor]:
-    return [torch.randn(2, num_blocks, heads, BLOCK, HEAD_DIM, device=device).to(torch.bfloat16)
-            for _ in range(LAYERS)]
+    shape = (2, num_blocks, heads, BLOCK, HEAD_DIM)
+    if device == "cuda":
+        return [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(LAYERS)]
+    return [_host(shape, torch.bfloat16).copy_(torch.randn(shape)) for _ in range(LAYERS)]
 
 
 def make(kind: str, pack_arena_bytes: int = 0):
@@ -111,9 +121,13 @@ def _copy_time(moved: int, device: str) -> float:
     """One plain copy of `moved` bytes. The source holds data: never-written pages all map the
     kernel's zero page, and reading them would time a cache-resident copy, not a memcpy."""
     if moved not in _COPY_BUFFERS:
-        a = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=device)
         _COPY_BUFFERS.clear()
-        _COPY_BUFFERS[moved] = (a, torch.empty_like(a).fill_(1))
+        if device == "cuda":
+            a, b = torch.randint(0, 256, (moved,), dtype=torch.uint8, device=device), torch.empty(moved, dtype=torch.uint8, device=device)
+        else:
+            a, b = _host(moved, torch.uint8), _host(moved, torch.uint8)
+            a.copy_(torch.randint(0, 256, (moved,), dtype=torch.uint8))
+        _COPY_BUFFERS[moved] = (a, b.fill_(1))
     a, b = _COPY_BUFFERS[moved]
     _sync(device)
     t0 = time.perf_counter()

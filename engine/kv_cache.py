@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from splitserve.engine.config import CacheConfig
+from splitserve.engine.host_memory import huge_page_zeros
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
@@ -48,6 +49,9 @@ def allocate_kv_caches(
     device: torch.device,
 ) -> list[torch.Tensor]:
     """Zeroed KV tensors, one per local layer. Zeroed, not `empty`: masked-out
-    padding still enters the dot products, and a NaN there would poison them."""
+    padding still enters the dot products, and a NaN there would poison them. On the CPU they
+    ask for transparent huge pages: other processes read them (host_memory.py says why)."""
     shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
+    if torch.device(device).type == "cpu":
+        return [huge_page_zeros(shape, dtype) for _ in range(num_layers)]
     return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]

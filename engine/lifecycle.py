@@ -40,7 +40,8 @@ def suspend(engine) -> None:
 
 def resume(engine) -> None:
     for kv in engine.kv_caches:
-        kv.untyped_storage().resize_(kv.numel() * kv.element_size())
+        # A CPU pool may be a view into a huge-page-aligned allocation (engine/host_memory.py).
+        kv.untyped_storage().resize_((kv.storage_offset() + kv.numel()) * kv.element_size())
         kv.zero_()
     engine.is_suspended = False
 

@@ -29,6 +29,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
@@ -190,7 +191,9 @@ class NixlTransport(KVTransport):
             self.board = board
         if self._pack_arena_bytes and (self._arena is None or self._arena.tensor.device != kv_tensors[0].device):
             self._jobs.clear()
-            self._arena = PackArena(torch.empty(self._pack_arena_bytes, dtype=torch.uint8, device=kv_tensors[0].device))
+            device = kv_tensors[0].device
+            self._arena = PackArena(torch.empty(self._pack_arena_bytes, dtype=torch.uint8, device=device)
+                                    if device.type == "cuda" else huge_page_empty(self._pack_arena_bytes, torch.uint8))
         arena = [self._arena.tensor] if self._arena is not None else []
         self._register([*kv_tensors, self.board.tensor, *arena])  # before taking the metadata: it covers all
         mem_type, device_id = _mem(kv_tensors[0])
@@ -348,7 +351,8 @@ class NixlTransport(KVTransport):
         for buf in self._staging:
             self._agent.deregister_memory(self._registered.pop((buf.data_ptr(), buf.numel())))
         device = self._staging_device
-        self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self._staging = [torch.empty(nbytes, dtype=torch.uint8, device=device) if device.type == "cuda"
+                         else huge_page_empty(nbytes, torch.uint8) for _ in range(2)]
         self._register(self._staging)
         return self._staging
 

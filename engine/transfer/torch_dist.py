@@ -16,6 +16,7 @@ may be in flight between two ranks at a time: P2P messages are matched in order.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from datetime import timedelta
@@ -23,12 +24,36 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
 
 _TAG = 0
+
+
+class _Staging(threading.local):
+    """Pack buffers kept between transfers, per thread: a fresh 1 GB buffer per transfer cost
+    more in first-touch page faults than the copy itself (a 32k-token handoff moved at 0.6 GB/s
+    over gloo; CPU buffers also ask for huge pages, engine/host_memory.py). Each grows to the
+    largest transfer seen, one per (device, send|recv, peer slot)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, str, int], torch.Tensor] = {}
+
+    def get(self, numel: int, dtype: torch.dtype, device: torch.device, role: str, slot: int) -> torch.Tensor:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        key = (str(device), role, slot)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < nbytes:
+            self.buffers.pop(key, None)  # freed before its successor is allocated
+            buf = self.buffers[key] = (huge_page_empty(nbytes, torch.uint8) if device.type == "cpu"
+                                       else torch.empty(nbytes, dtype=torch.uint8, device=device))
+        return buf[:nbytes].view(dtype)
+
+
+_STAGING = _Staging()
 
 
 def _post(group: dist.ProcessGroup | None, ops: list[tuple[bool, torch.Tensor, int]]) -> list:
@@ -93,8 +118,10 @@ def send_plan(
     if missing:
         raise ValueError(f"no torch.distributed rank for destination ranks {missing} (peers {dict(peers)})")
     buffers, p2p = [], []
-    for dst_rank in dst_ranks:
-        buf = pack_ops(plan.ops_for_pair(src_rank, dst_rank), plan.src, kv_tensors)
+    device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
+    for i, dst_rank in enumerate(dst_ranks):
+        ops = plan.ops_for_pair(src_rank, dst_rank)
+        buf = pack_ops(ops, plan.src, kv_tensors, out=_STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i))
         buffers.append(buf)
         p2p.append((True, buf.view(torch.uint8), peers[dst_rank]))
     if p2p:
@@ -121,9 +148,8 @@ def recv_plan(
         raise ValueError(f"no torch.distributed rank for source ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
     buffers, p2p = [], []
-    for src_rank in src_ranks:
-        numel = packed_numel(plan.ops_for_pair(src_rank, dst_rank), plan.dst)
-        buf = torch.empty(numel, dtype=dtype, device=device)
+    for i, src_rank in enumerate(src_ranks):
+        buf = _STAGING.get(packed_numel(plan.ops_for_pair(src_rank, dst_rank), plan.dst), dtype, device, "recv", i)
         buffers.append(buf)
         p2p.append((False, buf.view(torch.uint8), peers[src_rank]))
     if p2p:
