@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import sys
-import threading
 import time
-import types
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -30,8 +27,9 @@ import numpy as np
 import torch
 
 from splitserve.engine.host_memory import huge_page_empty
-from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.kv_tensors import check_kv_tensors, torch_dtype
 from splitserve.engine.transfer.layout import KVLayout
+from splitserve.engine.transfer.nixl_agent import PROGRESS_DELAY_US, UCX_ENV_DEFAULTS, create_agent, nixl_api
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
 from splitserve.engine.transfer.nixl_staging import should_stage, staged_pull
 from splitserve.engine.transfer.plan import TransferPlan
@@ -52,74 +50,6 @@ from splitserve.engine.transfer.transport import (
     TransferTimeout,
     needed_sources,
 )
-
-#: Environment defaults applied (unless already set) before the first agent is created.
-UCX_ENV_DEFAULTS = {
-    "UCX_NET_DEVICES": "lo",  # never pick a routable interface on its own
-    "NIXL_LOG_LEVEL": "WARN",  # NIXL logs every agent and backend creation at INFO
-}
-
-PROGRESS_DELAY_US = 5000
-"""Longest sleep of NIXL's progress thread between polls of its UCX worker's event fd (µs).
-NIXL's Python API always asks for 0, which makes the thread spin: `poll()` with a zero timeout
-in a loop, a whole core for the agent's life (it doubled a prefill's time on a shared core,
-benchmarks/RESULTS.md). With a timeout the thread sleeps in `poll()` and UCX's event fd wakes it
-as soon as there is work; the timeout only bounds NIXL's periodic re-check (a workaround for
-wake-ups UCX may miss). `SPLITSERVE_NIXL_PROGRESS_DELAY_US` overrides it; 0 = NIXL's spin."""
-
-_PATCH_LOCK = threading.Lock()
-
-
-def _create_agent(nixl_agent, name: str, config, delay_us: int):
-    """`nixl_agent(name, config)` with the progress thread's poll timeout at `delay_us`.
-
-    The Python API builds its `nixlAgentConfig` inside the constructor and sets `pthrDelay = 0`
-    there; for the constructor's duration its bindings module is swapped for one whose config
-    class keeps `pthrDelay` at least `delay_us` (everything else is the real module). If the
-    installed NIXL is not shaped like that, the agent is created as NIXL would (spinning)."""
-    api = sys.modules.get(nixl_agent.__module__)
-    bind = getattr(api, "nixlBind", None)
-    base = getattr(bind, "nixlAgentConfig", None)
-    field = vars(base).get("pthrDelay") if isinstance(base, type) else None
-    if delay_us <= 0 or not isinstance(field, property):
-        return nixl_agent(name, config)
-
-    class DelayedConfig(base):
-        @property
-        def pthrDelay(self):  # noqa: N802 - NIXL's name
-            return field.__get__(self)
-
-        @pthrDelay.setter
-        def pthrDelay(self, value):  # noqa: N802
-            field.__set__(self, max(int(value), delay_us))
-
-    shim = types.SimpleNamespace(**vars(bind))
-    shim.nixlAgentConfig = DelayedConfig
-    with _PATCH_LOCK:
-        api.nixlBind = shim
-        try:
-            return nixl_agent(name, config)
-        finally:
-            api.nixlBind = bind
-
-
-def _nixl_api():
-    """The installed NIXL python API (`nixl-cu13` wheel, else the generic `nixl` package)."""
-    try:
-        from nixl_cu13 import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:
-            from nixl._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise ImportError("NIXL is not installed: pip install 'splitserve[nixl]' (nixl-cu13)") from exc
-    return nixl_agent, nixl_agent_config
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"unknown dtype {name!r}")
-    return dtype
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -144,7 +74,7 @@ class NixlTransport(KVTransport):
         (`source_pack.py`, `pack_begin`); 0 = none, destinations read head slices from the pool."""
         for key, value in UCX_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
-        nixl_agent, nixl_agent_config = _nixl_api()
+        nixl_agent, nixl_agent_config = nixl_api()
         self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
                                    num_threads=num_threads, backends=["UCX"])
@@ -156,7 +86,7 @@ class NixlTransport(KVTransport):
             except ValueError:
                 raise ValueError(f"SPLITSERVE_NIXL_PROGRESS_DELAY_US must be whole microseconds, got {raw!r}") from None
         try:
-            self._agent = _create_agent(nixl_agent, self.name, config, progress_delay_us if progress_thread else 0)
+            self._agent = create_agent(nixl_agent, self.name, config, progress_delay_us if progress_thread else 0)
         except Exception as exc:  # e.g. nixlBackendError when UCX_TLS leaves UCX no usable transport
             raise TransferError(f"NIXL agent {self.name}: creating the UCX backend failed ({exc!r}) "
                                 f"with UCX environment {ucx_env}") from exc
@@ -218,7 +148,7 @@ class NixlTransport(KVTransport):
         if not groups or not block_ids:
             return False
         num_layers = src.num_local_layers(src.pp_rank(src_rank))
-        job = start_job(self._arena, src, groups, num_layers, block_ids, _torch_dtype(self._endpoint.dtype))
+        job = start_job(self._arena, src, groups, num_layers, block_ids, torch_dtype(src))
         if job is None:
             return False
         self._jobs[request_id] = job
