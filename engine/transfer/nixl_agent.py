@@ -3,6 +3,7 @@ unless told otherwise, and NIXL's progress thread given a poll timeout instead o
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import types
@@ -13,6 +14,17 @@ UCX_ENV_DEFAULTS = {
     "NIXL_LOG_LEVEL": "WARN",  # NIXL logs every agent and backend creation at INFO
 }
 
+CUDA_UCX_ENV_DEFAULTS = {
+    # UCX turns cuda_ipc's get_zcopy off on GPUs without an active NVLink ("cuda-ipc get zcopy
+    # disabled as no nvlinks detected": reads were slower than writes on some PCIe platforms), and a
+    # NIXL READ of VRAM then falls back to UCX's software emulation over TCP loopback — 0.5 GB/s
+    # between two processes on one H200, against ~2,000 GB/s for a device copy. Decode workers pull
+    # (READ), so on a GPU host we ask for it: benchmarks/RESULTS.md (2026-12-03, session 10).
+    "UCX_CUDA_IPC_ENABLE_GET_ZCOPY": "on",
+}
+"""Applied as well (unless set) when this process sees a CUDA device; without one UCX's cuda
+module is not loaded and would warn that the variable is unused."""
+
 PROGRESS_DELAY_US = 5000
 """Longest sleep of NIXL's progress thread between polls of its UCX worker's event fd (µs).
 NIXL's Python API always asks for 0, which makes the thread spin: `poll()` with a zero timeout
@@ -22,6 +34,24 @@ as soon as there is work; the timeout only bounds NIXL's periodic re-check (a wo
 wake-ups UCX may miss). `SPLITSERVE_NIXL_PROGRESS_DELAY_US` overrides it; 0 = NIXL's spin."""
 
 _PATCH_LOCK = threading.Lock()
+
+
+def apply_env_defaults() -> None:
+    """Set `UCX_ENV_DEFAULTS` (and `CUDA_UCX_ENV_DEFAULTS` on a CUDA host) where the environment
+    has no value yet; call before the first agent is created (UCX reads them then)."""
+    defaults = dict(UCX_ENV_DEFAULTS)
+    if _cuda_available():
+        defaults.update(CUDA_UCX_ENV_DEFAULTS)
+    for key, value in defaults.items():
+        os.environ.setdefault(key, value)
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
 
 
 def create_agent(nixl_agent, name: str, config, delay_us: int):

@@ -29,7 +29,12 @@ import torch
 from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors, torch_dtype
 from splitserve.engine.transfer.layout import KVLayout
-from splitserve.engine.transfer.nixl_agent import PROGRESS_DELAY_US, UCX_ENV_DEFAULTS, create_agent, nixl_api
+from splitserve.engine.transfer.nixl_agent import (
+    PROGRESS_DELAY_US,
+    apply_env_defaults,
+    create_agent,
+    nixl_api,
+)
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
 from splitserve.engine.transfer.nixl_staging import should_stage, staged_pull
 from splitserve.engine.transfer.plan import TransferPlan
@@ -50,6 +55,9 @@ from splitserve.engine.transfer.transport import (
     TransferTimeout,
     needed_sources,
 )
+
+POLL_SPIN_S = 0.002
+"""How long a wait polls NIXL back to back before it naps between polls (seconds)."""
 
 
 def _mem(t: torch.Tensor) -> tuple[str, int]:
@@ -72,8 +80,7 @@ class NixlTransport(KVTransport):
         a prefill's compute time on a shared core (benchmarks/RESULTS.md, 2026-12-02).
         `pack_arena_bytes`: memory a source rank registers for source-packed reshards
         (`source_pack.py`, `pack_begin`); 0 = none, destinations read head slices from the pool."""
-        for key, value in UCX_ENV_DEFAULTS.items():
-            os.environ.setdefault(key, value)
+        apply_env_defaults()
         nixl_agent, nixl_agent_config = nixl_api()
         self.name = name or f"splitserve-{uuid.uuid4().hex[:12]}"
         config = nixl_agent_config(enable_prog_thread=progress_thread, enable_listen_thread=False,
@@ -310,7 +317,11 @@ class NixlTransport(KVTransport):
         return row.tolist()
 
     def _wait(self, pending: dict[int, object], deadline: float, timeout_s: float) -> None:
+        """Poll until every handle is done. The first `POLL_SPIN_S` poll back to back, then with
+        `poll_sleep_s` naps: a VRAM read over cuda_ipc finishes in ~0.1-0.6 ms (an 8k-32k-token
+        handoff), and one nap (a 0.2 ms `sleep` is ~0.25 ms) would add as much again."""
         waiting = dict(pending)
+        spin_until = time.monotonic() + POLL_SPIN_S
         while waiting:
             for src_rank, handle in list(waiting.items()):
                 state = self._agent.check_xfer_state(handle)
@@ -321,7 +332,7 @@ class NixlTransport(KVTransport):
             if waiting and time.monotonic() > deadline:
                 raise TransferTimeout(
                     f"NIXL read from source ranks {sorted(waiting)} not done after {timeout_s:.1f}s")
-            if waiting and self._poll_sleep_s:
+            if waiting and self._poll_sleep_s and time.monotonic() > spin_until:
                 time.sleep(self._poll_sleep_s)
 
     @staticmethod

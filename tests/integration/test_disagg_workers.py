@@ -64,12 +64,20 @@ PAIRS += [("tp4", "tp1"), ("tp1", "tp4")]  # kv heads (2) fewer than the TP size
 HAS_CUDA = torch.cuda.is_available()
 
 
+def _size(shape: str, dim: str) -> int:
+    flags = SHAPES[shape]
+    return int(flags[flags.index(f"--{dim}") + 1]) if f"--{dim}" in flags else 1
+
+
 def _cases():
     for transport in ("nixl", "torch_dist"):
         for src, dst in PAIRS:
             marks = [] if (transport, src, dst) in QUICK else [pytest.mark.slow]
             if transport == "nixl":
                 marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
+                ranks = max(_size(src, "tp") * _size(src, "pp"), _size(dst, "tp") * _size(dst, "pp"))
+                if HAS_CUDA and ranks > torch.cuda.device_count():  # workers pick CUDA; NCCL wants a GPU per rank
+                    marks.append(pytest.mark.skip(reason=f"{ranks} ranks need {ranks} GPUs (NCCL inside a worker)"))
             if transport == "torch_dist" and HAS_CUDA:
                 marks.append(pytest.mark.skip(reason="NCCL needs a GPU per rank; one-GPU hosts run cuda_ipc"))
             yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
@@ -98,11 +106,6 @@ def test_disaggregated_tokens_match_aggregated(model_dir, expected, transport, s
         for worker in (pw, dw):
             assert worker.output().count("joined pair group") == 1, worker.output()
             assert "WARNING" not in worker.output(), worker.output()
-
-
-def _size(shape: str, dim: str) -> int:
-    flags = SHAPES[shape]
-    return int(flags[flags.index(f"--{dim}") + 1]) if f"--{dim}" in flags else 1
 
 
 def test_torch_dist_push_that_cannot_happen_falls_back_to_recompute(model_dir, expected):

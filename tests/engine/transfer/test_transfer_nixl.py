@@ -5,6 +5,7 @@ through a pipe (standing in for our gRPC), never through NIXL's listener."""
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 
 import pytest
 import torch
@@ -155,3 +156,22 @@ def test_a_bad_progress_delay_setting_is_refused_clearly(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_NIXL_PROGRESS_DELAY_US", "soon")
     with pytest.raises(ValueError, match="SPLITSERVE_NIXL_PROGRESS_DELAY_US must be whole microseconds, got 'soon'"):
         NixlTransport()
+
+
+@pytest.mark.parametrize("cuda", [False, True], ids=["cpu-host", "cuda-host"])
+def test_cuda_ipc_reads_are_asked_for_only_on_a_cuda_host(monkeypatch, cuda):
+    """UCX turns cuda_ipc's get_zcopy off on GPUs without NVLink, and NIXL READs of VRAM then
+    crawl over TCP loopback; a CUDA host asks for it. A CPU host leaves the variable alone: UCX
+    has no cuda module loaded there and warns about every unused UCX_ variable. A value already
+    in the environment wins."""
+    from splitserve.engine.transfer import nixl_agent
+
+    key = "UCX_CUDA_IPC_ENABLE_GET_ZCOPY"
+    monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(nixl_agent, "_cuda_available", lambda: cuda)
+    nixl_agent.apply_env_defaults()
+    assert os.environ.get(key) == ("on" if cuda else None)
+    assert os.environ["UCX_NET_DEVICES"]  # the loopback default (or the caller's) is always there
+    monkeypatch.setenv(key, "auto")
+    nixl_agent.apply_env_defaults()
+    assert os.environ[key] == "auto"
