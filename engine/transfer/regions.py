@@ -56,6 +56,15 @@ class Regions:
                          ("src_layer", "src_offset", "dst_layer", "dst_offset", "num_bytes")))
 
 
+def layer_kv_grid(num_layers: int, *per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """The index grid [layer, K|V, block] flattened in that order: layer and kv per entry, and
+    each per-block array of the same length repeated for every (layer, K|V)."""
+    nb = len(per_block[0])
+    layer = np.repeat(np.arange(num_layers, dtype=np.int64), 2 * nb)
+    kv = np.tile(np.repeat(np.arange(2, dtype=np.int64), nb), num_layers)
+    return layer, kv, [np.tile(a, 2 * num_layers) for a in per_block]
+
+
 def op_regions(
     op: TransferOp, src: KVLayout, dst: KVLayout, src_pool_blocks: int, dst_pool_blocks: int
 ) -> Regions:
@@ -66,12 +75,7 @@ def op_regions(
         if blocks.max() >= pool:
             raise ValueError(f"{side} block id {int(blocks.max())} out of range for a pool of {pool} blocks")
     unit = src.head_block_bytes
-    nb = len(src_blocks)
-    # Index grid [layer, kv, block], flattened in that order.
-    layer = np.repeat(np.arange(op.num_layers, dtype=np.int64), 2 * nb)
-    kv = np.tile(np.repeat(np.arange(2, dtype=np.int64), nb), op.num_layers)
-    sb = np.tile(src_blocks, 2 * op.num_layers)
-    db = np.tile(dst_blocks, 2 * op.num_layers)
+    layer, kv, (sb, db) = layer_kv_grid(op.num_layers, src_blocks, dst_blocks)
     s_off = ((kv * src_pool_blocks + sb) * src.num_local_heads + op.src_head_start) * unit
     d_off = ((kv * dst_pool_blocks + db) * dst.num_local_heads + op.dst_head_start) * unit
     return coalesce(Regions(

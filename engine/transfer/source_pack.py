@@ -31,7 +31,7 @@ import torch
 
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.plan import TransferOp, build_plan
-from splitserve.engine.transfer.regions import Regions, coalesce
+from splitserve.engine.transfer.regions import Regions, coalesce, layer_kv_grid
 
 ALIGN = 256
 """Segment alignment in the arena (bytes)."""
@@ -113,11 +113,8 @@ def packed_regions(op: TransferOp, src: KVLayout, dst: KVLayout, dst_pool_blocks
     dst_blocks = np.asarray(op.dst_blocks(), dtype=np.int64)
     if dst_blocks.max() >= dst_pool_blocks:
         raise ValueError(f"dst block id {int(dst_blocks.max())} out of range for a pool of {dst_pool_blocks} blocks")
-    unit, nb, total = src.head_block_bytes, len(src_blocks), len(packed.block_ids)
-    layer = np.repeat(np.arange(op.num_layers, dtype=np.int64), 2 * nb)
-    kv = np.tile(np.repeat(np.arange(2, dtype=np.int64), nb), op.num_layers)
-    j = np.tile(pos, 2 * op.num_layers)
-    db = np.tile(dst_blocks, 2 * op.num_layers)
+    unit, total = src.head_block_bytes, len(packed.block_ids)
+    layer, kv, (j, db) = layer_kv_grid(op.num_layers, pos, dst_blocks)
     s_off = g.addr + (((layer + op.src_layer_start) * 2 + kv) * total + j) * op.num_heads * unit
     d_off = ((kv * dst_pool_blocks + db) * dst.num_local_heads + op.dst_head_start) * unit
     return coalesce(Regions(src_layer=np.zeros(len(layer), dtype=np.int64), src_offset=s_off,
