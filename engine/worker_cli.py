@@ -19,7 +19,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "--transport",
         default="nixl",
         choices=["nixl", "torch_dist", "cuda_ipc", "shm", "inproc"],
-        help="KV transport (default nixl over UCX); cuda_ipc: same-host GPUs, the decode side maps the prefill pool; shm: same-host CPU pools, "
+        help="KV transport (default nixl over UCX; VRAM pools on one host are mapped over CUDA IPC by it, "
+        "SPLITSERVE_NIXL_CUDA_IPC=0 turns that off); cuda_ipc: same-host GPUs, the decode side maps the prefill pool; shm: same-host CPU pools, "
         "the decode side maps the prefill pool from shared memory; torch_dist: the prefill worker pushes over a gloo (CPU) / NCCL (GPU) "
         "group of the pair, same host only, both workers must use it",
     )

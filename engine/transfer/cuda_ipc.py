@@ -2,12 +2,12 @@
 tensors into its own address space once, then copies each plan op with one Triton
 launch over all its layers and block runs (engine/transfer/gpu_copy.py).
 
-Why not NIXL here: NIXL's UCX backend moved VRAM→VRAM between two processes
-on one H200 at ~0.5 GB/s (TCP-loopback speed) even with `UCX_TLS` naming
-`cuda_ipc` (benchmarks/RESULTS.md), while a CUDA-IPC-mapped torch copy reaches
-device bandwidth. NIXL stays the transport across hosts; this one is chosen
-automatically only by configuration (`--transport cuda_ipc`) for same-host
-pairs.
+Why not NIXL here: NIXL's UCX backend moves VRAM→VRAM between two processes
+on one H200 with the CUDA driver's copies on UCX's streams, 12-29% of a device
+copy (0.5 GB/s until cuda_ipc reads were turned on, engine/transfer/nixl_agent.py;
+benchmarks/RESULTS.md), while a copy kernel over the mapped pool reaches 87-96%.
+Chosen by configuration (`--transport cuda_ipc`), and by the NIXL transport itself
+when source and destination share a host (`nixl_same_host.py`).
 
 Endpoint metadata is JSON of torch's CUDA IPC handles — the fields of
 `torch.multiprocessing.reductions.reduce_tensor`, with classes and dtypes by name
@@ -90,7 +90,7 @@ class CudaIpcTransport(KVTransport):
             raise ValueError("CUDA IPC exposes contiguous CUDA tensors only")
         return json.dumps([encode_ipc_handle(*reduce_tensor(t)) for t in kv_tensors]).encode()
 
-    def _open(self, metadata: bytes) -> list[torch.Tensor]:
+    def open(self, metadata: bytes) -> list[torch.Tensor]:
         key = bytes(metadata)  # a bytes object caches its hash: a repeated lookup is O(1)
         tensors = self._mapped.get(key)
         if tensors is None:
@@ -113,7 +113,7 @@ class CudaIpcTransport(KVTransport):
         device = kv_tensors[0].get_device()
         num_bytes = num_ops = 0
         for src_rank in needed_sources(plan, dst_rank, remote):
-            src = self._open(remote[src_rank])
+            src = self.open(remote[src_rank])
             pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
             for op in plan.ops_for_pair(src_rank, dst_rank):
                 # one launch for every layer and block run of the op; replayed from a graph when it can

@@ -33,6 +33,9 @@ class NixlEndpoint:
     board_width: int = 0
     packed: PackedSource | None = None
     """One request's head slices packed on this rank (`source_pack.py`); None: read the pool."""
+    ipc_host: str = ""
+    ipc_handles: str = ""
+    """A VRAM pool's host identity and CUDA IPC handles (`nixl_same_host.py`); "": none."""
 
     def __post_init__(self) -> None:
         if self.mem_type not in ("DRAM", "VRAM"):
@@ -46,6 +49,7 @@ class NixlEndpoint:
             "layer_shape": list(self.layer_shape), "dtype": self.dtype,
             "board": [self.board_addr, self.board_slots, self.board_width],
             **({"packed": self.packed.to_json()} if self.packed is not None else {}),
+            **({"ipc": [self.ipc_host, self.ipc_handles]} if self.ipc_handles else {}),
         }).encode()
         return _MAGIC + struct.pack("<I", len(header)) + header + self.agent_metadata
 
@@ -57,9 +61,11 @@ class NixlEndpoint:
         start = len(_MAGIC) + 4
         header = json.loads(data[start:start + size])
         board_addr, board_slots, board_width = header.get("board", (0, 0, 0))
+        ipc_host, ipc_handles = header.get("ipc", ("", ""))
         return NixlEndpoint(
             agent_metadata=data[start + size:], mem_type=header["mem_type"], device_id=header["device_id"],
             layer_addrs=tuple(header["layer_addrs"]), layer_shape=tuple(header["layer_shape"]),
             dtype=header["dtype"], board_addr=board_addr, board_slots=board_slots, board_width=board_width,
             packed=PackedSource.from_json(header["packed"]) if "packed" in header else None,
+            ipc_host=ipc_host, ipc_handles=ipc_handles,
         )

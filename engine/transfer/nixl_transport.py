@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.host_memory import huge_page_empty
+from splitserve.engine.transfer import nixl_same_host as same_host
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors, torch_dtype
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.nixl_agent import (
@@ -112,6 +113,7 @@ class NixlTransport(KVTransport):
         self._arena: PackArena | None = None
         self._jobs: dict[str, PackJob] = {}
         self._endpoint: NixlEndpoint | None = None
+        self._same_host = same_host.SameHostPath()
         self._closed = False
 
     def _register(self, kv_tensors: Sequence[torch.Tensor]) -> None:
@@ -134,11 +136,13 @@ class NixlTransport(KVTransport):
         arena = [self._arena.tensor] if self._arena is not None else []
         self._register([*kv_tensors, self.board.tensor, *arena])  # before taking the metadata: it covers all
         mem_type, device_id = _mem(kv_tensors[0])
+        ipc_host, ipc_handles = same_host.publish(kv_tensors)
         self._endpoint = NixlEndpoint(
             agent_metadata=self._agent.get_agent_metadata(), mem_type=mem_type, device_id=device_id,
             layer_addrs=tuple(t.data_ptr() for t in kv_tensors), layer_shape=tuple(kv_tensors[0].shape),
             dtype=str(kv_tensors[0].dtype).removeprefix("torch."), board_addr=self.board.tensor.data_ptr(),
             board_slots=self.board.shape.num_slots, board_width=self.board.shape.width,
+            ipc_host=ipc_host, ipc_handles=ipc_handles,
         )
         return self._endpoint.to_bytes()
 
@@ -214,6 +218,12 @@ class NixlTransport(KVTransport):
         start = time.perf_counter()
         deadline = time.monotonic() + timeout_s
         dst_pool = check_kv_tensors(kv_tensors, plan.dst, dst_rank)
+        endpoints = {rank: NixlEndpoint.from_bytes(remote[rank]) for rank in needed_sources(plan, dst_rank, remote)}
+        for src_rank, ep in endpoints.items():
+            self._check_endpoint(ep, plan, src_rank)
+        shortcut = self._same_host.pull(plan, dst_rank, endpoints, kv_tensors, timeout_s)
+        if shortcut is not None:  # every source on this host, VRAM to VRAM: mapped over CUDA IPC
+            return shortcut
         self._register(kv_tensors)
         self._staging_device = kv_tensors[0].device
         local_mem, local_dev = _mem(kv_tensors[0])
@@ -241,9 +251,7 @@ class NixlTransport(KVTransport):
 
         try:
             staged: list[tuple[int, NixlEndpoint, list]] = []
-            for src_rank in needed_sources(plan, dst_rank, remote):
-                ep = NixlEndpoint.from_bytes(remote[src_rank])
-                self._check_endpoint(ep, plan, src_rank)
+            for src_rank, ep in endpoints.items():
                 ops = plan.ops_for_pair(src_rank, dst_rank)
                 if ep.packed is not None:  # slices the source packed: contiguous reads of its arena
                     found = [(op, packed_regions(op, plan.src, plan.dst, dst_pool, ep.packed)) for op in ops]
@@ -360,6 +368,7 @@ class NixlTransport(KVTransport):
         if self._closed:
             return
         self._closed = True
+        self._same_host.close()
         for name in self._remote_names.values():
             try:
                 self._agent.remove_remote_agent(name)

@@ -144,6 +144,11 @@ def _ucx_env(case: dict) -> None:
         os.environ["UCX_TLS"] = case["ucx_tls"]
 
 
+def _on_device(case: dict, kv: dict[int, list[torch.Tensor]]) -> dict[int, list[torch.Tensor]]:
+    """`case["cuda"]`: the pools in VRAM."""
+    return {r: [t.cuda() for t in ts] for r, ts in kv.items()} if case.get("cuda") else kv
+
+
 def nixl_source_process(case: dict, conn, results) -> None:
     """Hosts every source rank of `case` (one NIXL agent each); sends endpoints, waits for 'done'."""
     def body():
@@ -152,12 +157,13 @@ def nixl_source_process(case: dict, conn, results) -> None:
 
         _ucx_env(case)
         src_lay, _, logical, src_tables, _, _ = handoff_case(case)
-        kv = scatter(logical, src_lay, src_tables, case["pool"])
+        kv = _on_device(case, scatter(logical, src_lay, src_tables, case["pool"]))
         transports = [NixlTransport(f"src-{rank}-{case['seed']}") for rank in range(src_lay.world_size)]
         remote = {rank: transports[rank].expose(kv[rank]) for rank in kv}
         checksums = {}
         for rank in kv:
-            checksums |= unit_checksums(kv[rank], src_lay, rank, src_tables[rank], case["first_block"])
+            checksums |= unit_checksums([t.cpu() for t in kv[rank]], src_lay, rank, src_tables[rank],
+                                        case["first_block"])
         conn.send((remote, checksums))
         assert conn.poll(60), "destination never finished"
         assert conn.recv() == "done"
@@ -174,16 +180,19 @@ def nixl_destination_process(case: dict, conn, results) -> None:
 
         _ucx_env(case)
         _, dst_lay, logical, _, dst_tables, plan = handoff_case(case)
-        kv = scatter(torch.full_like(logical, SENTINEL), dst_lay, dst_tables, case["pool"])
+        kv = _on_device(case, scatter(torch.full_like(logical, SENTINEL), dst_lay, dst_tables, case["pool"]))
         assert conn.poll(60), "source never sent its endpoints"
         remote, checksums = conn.recv()
         try:
             for rank in range(dst_lay.world_size):
                 with NixlTransport(f"dst-{rank}-{case['seed']}", progress_thread=case.get("dst_progress_thread", True)) as t:
                     stats = t.pull(plan, rank, remote, kv[rank], timeout_s=30)
+                    if "same_host" in case:  # VRAM on one host: mapped over CUDA IPC, or NIXL when off
+                        assert t._same_host.pulls == int(case["same_host"]), t._same_host.pulls
                 assert stats.num_bytes == sum(n for (_, d), n in plan.bytes_by_pair().items() if d == rank)
-                check_destination(case, rank, kv[rank])
-                assert verify_unit_checksums(kv[rank], dst_lay, rank, dst_tables[rank], checksums,
+                landed = [x.cpu() for x in kv[rank]]
+                check_destination(case, rank, landed)
+                assert verify_unit_checksums(landed, dst_lay, rank, dst_tables[rank], checksums,
                                              case["first_block"]) == []
         finally:
             conn.send("done")

@@ -43,7 +43,7 @@ def test_garbage_metadata_is_a_transfer_error_not_code():
     transport = CudaIpcTransport()
     for metadata in (b"\x80\x04\x95 not json", json.dumps([{"dtype": "float32"}]).encode()):
         with pytest.raises(TransferError, match="CUDA IPC"):
-            transport._open(metadata)
+            transport.open(metadata)
 
 
 def test_only_cuda_reductions_are_encoded():

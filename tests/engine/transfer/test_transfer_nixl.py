@@ -175,3 +175,38 @@ def test_cuda_ipc_reads_are_asked_for_only_on_a_cuda_host(monkeypatch, cuda):
     monkeypatch.setenv(key, "auto")
     nixl_agent.apply_env_defaults()
     assert os.environ[key] == "auto"
+
+
+@pytest.mark.parametrize("shortcut", [True, False], ids=["cuda-ipc-shortcut", "nixl-reads"])
+def test_vram_pulls_on_one_host_map_the_source_pool_over_cuda_ipc(monkeypatch, shortcut):
+    """Both pools in VRAM on one host: the destination maps the source's pool and copies with our
+    kernel (nixl_same_host.py); `SPLITSERVE_NIXL_CUDA_IPC=0` keeps NIXL reads. Same bytes either way
+    (a tp 1 -> 2 reshard: head slices)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    monkeypatch.setenv("SPLITSERVE_NIXL_CUDA_IPC", "1" if shortcut else "0")  # the spawned processes inherit it
+    _nixl_handoff(dict(src=dict(tp=1, pp=1, kv_heads=4), dst=dict(tp=2, pp=1, kv_heads=4), num_blocks=6,
+                       pool=11, seed=31, first_block=1, cuda=True, same_host=shortcut))
+
+
+def test_the_same_host_shortcut_stays_out_of_cpu_pools_and_other_hosts(monkeypatch):
+    """What a source publishes and when a destination may map it (the GPU test above maps it)."""
+    from splitserve.engine.transfer import nixl_same_host
+    from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
+
+    cpu_pool = [torch.zeros(2, 3, 2, 4, 8) for _ in range(2)]
+    assert nixl_same_host.publish(cpu_pool) == ("", "")
+    base = dict(agent_metadata=b"agent", mem_type="VRAM", device_id=0, layer_addrs=(1, 2),
+                layer_shape=(2, 3, 2, 4, 8), dtype="float32")
+    ep = NixlEndpoint(**base, ipc_host="boot/host", ipc_handles='[{"h": 1}]')
+    assert NixlEndpoint.from_bytes(ep.to_bytes()) == ep
+    assert NixlEndpoint.from_bytes(NixlEndpoint(**base).to_bytes()).ipc_handles == ""  # the older form reads
+    path = nixl_same_host.SameHostPath()
+    here = NixlEndpoint(**base, ipc_host=nixl_same_host.host_identity(), ipc_handles='[{"h": 1}]')
+    assert path.pull(None, 0, {0: here}, cpu_pool) is None  # a CPU destination pool: NIXL
+    if torch.cuda.is_available():
+        gpu_pool = [t.cuda() for t in cpu_pool]
+        assert path.pull(None, 0, {0: ep}, gpu_pool) is None  # another host: NIXL
+        monkeypatch.setenv("SPLITSERVE_NIXL_CUDA_IPC", "0")
+        assert path.pull(None, 0, {0: here}, gpu_pool) is None  # turned off
+    assert path.pulls == 0
