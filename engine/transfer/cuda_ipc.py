@@ -76,6 +76,10 @@ def decode_ipc_handle(h: dict) -> tuple:
     )
 
 
+MAX_MAPPED = 16
+"""Peer pools a destination keeps mapped (a worker pulls from a handful of prefill ranks)."""
+
+
 class CudaIpcTransport(KVTransport):
     kind = "cuda_ipc"
 
@@ -91,6 +95,9 @@ class CudaIpcTransport(KVTransport):
         return json.dumps([encode_ipc_handle(*reduce_tensor(t)) for t in kv_tensors]).encode()
 
     def open(self, metadata: bytes) -> list[torch.Tensor]:
+        """The peer's layer tensors, mapped once per metadata. At most `MAX_MAPPED` peer pools
+        stay mapped: a peer that suspends and resumes publishes new handles, and torch keeps the
+        old pool's memory allocated on the peer for as long as a mapping of it lives here."""
         key = bytes(metadata)  # a bytes object caches its hash: a repeated lookup is O(1)
         tensors = self._mapped.get(key)
         if tensors is None:
@@ -98,6 +105,9 @@ class CudaIpcTransport(KVTransport):
                 tensors = [rebuild_cuda_tensor(*decode_ipc_handle(h)) for h in json.loads(metadata)]
             except Exception as exc:
                 raise TransferError(f"cannot map the peer's KV over CUDA IPC: {exc}") from exc
+            if len(self._mapped) >= MAX_MAPPED:  # the oldest goes, with the pair memos holding it
+                del self._mapped[next(iter(self._mapped))]
+                self._pool_keys.clear()
             self._mapped[key] = tensors
         return tensors
 

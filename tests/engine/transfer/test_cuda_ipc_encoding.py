@@ -49,3 +49,21 @@ def test_garbage_metadata_is_a_transfer_error_not_code():
 def test_only_cuda_reductions_are_encoded():
     with pytest.raises(ValueError, match="IPC reduction"):
         encode_ipc_handle(print, ARGS)
+
+
+def test_peer_pools_beyond_the_limit_are_unmapped_oldest_first(monkeypatch):
+    """A peer that suspends and resumes publishes new handles; its old pool stays allocated on the
+    peer while mapped here, so only the newest `MAX_MAPPED` pools stay (the mapping itself is
+    stubbed: this host may have no GPU)."""
+    from splitserve.engine.transfer import cuda_ipc
+
+    monkeypatch.setattr(cuda_ipc, "MAX_MAPPED", 2)
+    monkeypatch.setattr(cuda_ipc, "decode_ipc_handle", lambda h: (h,))
+    monkeypatch.setattr(cuda_ipc, "rebuild_cuda_tensor", lambda h: torch.full((1,), float(h)))
+    transport = cuda_ipc.CudaIpcTransport(graphs=False)
+    first = transport.open(b"[1]")
+    assert transport.open(b"[1]") is first  # mapped once
+    transport.open(b"[2]")
+    transport.open(b"[3]")
+    assert set(transport._mapped) == {b"[2]", b"[3]"}
+    assert transport.open(b"[1]") is not first  # mapped again when asked again
