@@ -66,6 +66,7 @@ class SameHostPath:
         self._ipc = None
         self._host = host_identity()
         self._failed: set[bytes] = set()  # handle bytes whose mapping failed once
+        self._keys: dict[str, bytes] = {}  # handles as published -> the bytes CudaIpcTransport maps by
         self.pulls = 0
         """Pulls served by the shortcut (tests and logs read it)."""
 
@@ -79,7 +80,11 @@ class SameHostPath:
         for rank, ep in sources.items():
             if not ep.ipc_handles or ep.ipc_host != self._host:
                 return None
-            key = ep.ipc_handles.encode()
+            key = self._keys.get(ep.ipc_handles)  # a parsed endpoint is reused: its str's hash is cached
+            if key is None:
+                if len(self._keys) >= 64:
+                    self._keys.clear()
+                key = self._keys[ep.ipc_handles] = ep.ipc_handles.encode()
             if key in self._failed:
                 return None
             remote[rank] = key
