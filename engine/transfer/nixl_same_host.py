@@ -68,7 +68,7 @@ class SameHostPath:
         self._failed: set[bytes] = set()  # handle bytes whose mapping failed once
         self._keys: dict[str, bytes] = {}  # handles as published -> the bytes CudaIpcTransport maps by
         self.pulls = 0
-        """Pulls served by the shortcut (tests and logs read it)."""
+        """Pulls served by the shortcut (the tests read it)."""
 
     def pull(self, plan: TransferPlan, dst_rank: int, sources: Mapping[int, NixlEndpoint],
              kv_tensors: Sequence[torch.Tensor], timeout_s: float = 30.0) -> TransferStats | None:
