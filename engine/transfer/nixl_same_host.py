@@ -18,6 +18,7 @@ off (NIXL for everything: A/B runs, or a platform where mapping misbehaves).
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,8 @@ import torch
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats
+
+log = logging.getLogger(__name__)
 
 
 def host_identity() -> str:
@@ -95,8 +98,10 @@ class SameHostPath:
         for key in remote.values():  # map first: a failure falls back before anything is copied
             try:
                 self._ipc.open(key)
-            except TransferError:
+            except TransferError as exc:
                 self._failed.add(key)
+                log.warning("a same-host source's KV pool cannot be mapped over CUDA IPC (%s); "
+                            "pulling it with NIXL reads instead", exc)
                 return None
         stats = self._ipc.pull(plan, dst_rank, remote, kv_tensors, timeout_s)
         self.pulls += 1
