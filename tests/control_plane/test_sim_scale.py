@@ -83,8 +83,10 @@ class SimHost:
     def go(self) -> None:
         self.proc.stdin.write(b"go\n")
 
-    async def stop(self, timeout_s: float = 20.0) -> int:
-        """Graceful stop (stdin EOF); SIGKILL after `timeout_s`."""
+    async def stop(self, timeout_s: float = 60.0) -> int:
+        """Graceful stop (stdin EOF); SIGKILL after `timeout_s`. 64 workers of one process each
+        stop their gRPC server (2 s grace) and revoke their etcd lease; on a loaded 2-core CI
+        machine one host once needed more than 20 s (killed, exit -9): a hang still fails here."""
         with contextlib.suppress(ConnectionError):
             self.proc.stdin.close()
         try:
