@@ -18,6 +18,7 @@ Errors map to status codes as follows:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 
 import aetcd
@@ -45,8 +46,13 @@ from splitserve.control_plane.topology_feed import TopologyFeed
 from splitserve.proto.v1 import common_pb2, control_plane_pb2, control_plane_pb2_grpc
 
 LEADER_ADDRESS_METADATA = "splitserve-leader-address"
-WATCH_COALESCE_S = 0.05
-"""A WatchTopology stream sends at most one snapshot per this many seconds after the first."""
+WATCH_COALESCE_S = 0.2
+"""A WatchTopology stream sends at most one snapshot per this many seconds after the first.
+
+While a cluster comes up every registration is a new revision; each watcher (every
+worker, every router) decodes each snapshot it is sent, O(n) per snapshot. 0.2 s keeps
+a 128-worker burst to a handful of snapshots per watcher; a change still reaches the
+watchers within 0.2 s of the previous one (a first snapshot goes out at once)."""
 
 _ROLE_TO_PROTO = {None: common_pb2.ROLE_UNSPECIFIED, Role.PREFILL: common_pb2.ROLE_PREFILL, Role.DECODE: common_pb2.ROLE_DECODE}
 _ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
@@ -133,17 +139,23 @@ def topology_to_proto(topology: Topology) -> control_plane_pb2.Topology:
     )
 
 
+def _worker_info_from_proto(w: control_plane_pb2.WorkerStatus) -> WorkerInfo:
+    record = WorkerRecord(
+        w.worker_id, w.address, role_from_proto(w.role), w.num_gpu_ranks, w.kv_events_endpoint or None,
+        w.kv_block_size or None,
+    )  # fmt: skip
+    return WorkerInfo(record, w.lease_id, tuple(w.slot_ids), w.is_draining)
+
+
+@functools.lru_cache(maxsize=4096)
+def _worker_info_from_bytes(data: bytes) -> WorkerInfo:
+    return _worker_info_from_proto(control_plane_pb2.WorkerStatus.FromString(data))
+
+
 def topology_from_proto(message: control_plane_pb2.Topology) -> Topology:
-    workers = tuple(
-        WorkerInfo(
-            WorkerRecord(
-                w.worker_id, w.address, role_from_proto(w.role), w.num_gpu_ranks,
-                w.kv_events_endpoint or None, w.kv_block_size or None,
-            ),
-            w.lease_id, tuple(w.slot_ids), w.is_draining,
-        )  # fmt: skip
-        for w in message.workers
-    )
+    """Decodes a snapshot; a worker entry seen before (same bytes) reuses its frozen WorkerInfo,
+    so a watcher pays the record checks only for workers that changed."""
+    workers = tuple(_worker_info_from_bytes(w.SerializeToString(deterministic=True)) for w in message.workers)
     leader = LeaderRecord(message.leader_id, message.leader_address) if message.leader_id else None
     return Topology(
         revision=message.revision,

@@ -169,8 +169,13 @@ def expand_slots(spec: ShardSpec) -> tuple[Slot, ...]:
     return tuple(slots)
 
 
+@functools.lru_cache(maxsize=64)
 def parse_inference_shards(text: str) -> ShardSpec:
-    """Parses a spec; raises ShardSpecError naming the bad token and its 1-based group."""
+    """Parses a spec; raises ShardSpecError naming the bad token and its 1-based group.
+
+    Cached (the spec is frozen): every topology snapshot carries the spec's text and
+    a worker decodes each one it is sent.
+    """
     if not text.strip():
         raise ShardSpecError("empty --inference-shards spec")
     return ShardSpec(tuple(_parse_group(index, part) for index, part in enumerate(text.split("+"))))

@@ -57,6 +57,10 @@ _RETRY = {
 }
 
 
+START_GRACE_S = 5.0
+"""How long past its timeout `start` lets an in-flight call finish before cancelling it."""
+
+
 class RegistrationError(RuntimeError):
     """The control plane rejected the registration for good (e.g. num_gpu_ranks too large)."""
 
@@ -115,9 +119,19 @@ class WorkerRegistration:
 
     async def start(self, timeout_s: float | None = 60.0) -> Assignment:
         """Takes a lease, registers (waiting for a free slot up to `timeout_s`), follows the topology."""
-        await self._new_lease()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        await self._set_assignment(await self._register((), deadline))
+        # _register gives up at the deadline between its retries; the outer bound also ends a call
+        # stuck on a starved event loop (a hang is worse than a clear error).
+        bound = asyncio.timeout(None if timeout_s is None else timeout_s + START_GRACE_S)
+        try:
+            async with bound:
+                await self._new_lease()
+                assignment = await self._register((), deadline)
+        except TimeoutError as e:
+            if not bound.expired():
+                raise
+            raise TimeoutError(f"worker {self.worker_id!r}: registration did not finish within {timeout_s} s") from e
+        await self._set_assignment(assignment)
         self._tasks = [
             asyncio.create_task(self._follow_topology(), name=f"{self.worker_id}-topology"),
             asyncio.create_task(self._reregister_on_loss(), name=f"{self.worker_id}-lease"),
