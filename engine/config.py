@@ -136,12 +136,14 @@ class TransferConfig:
     """Streamed handoffs one prefill rank can have in flight (rows of its progress board); a
     handoff beyond that is published without streaming."""
     pack_for_tp: int = 0
-    """Prefill role, NIXL, one-rank prefill groups: pack every handoff's head slices for decode
-    workers of this TP size as the layers are written (engine/handoff_pack.py), so a decode rank
-    that takes part of the heads reads contiguous memory instead of one small region per block
-    (tp 1 -> 2 on CPU: 20% -> 44-54% of memcpy, benchmarks/RESULTS.md). The packed copies take
-    up to a quarter of the KV pool's size; handoffs beyond that, and decode workers of another
-    TP size, read the pool as before. 0 (default): no packing."""
+    """Prefill role, NIXL, one-rank prefill groups: > 0 turns on packed memory, and every
+    handoff's head slices are packed as the layers are written (engine/handoff_pack.py) for the
+    decode worker's TP size the router names with the request (`PrefillRequest.decode_tp`), or
+    this TP size when it names none; a decode rank that takes part of the heads then reads
+    contiguous memory instead of one small region per block (tp 1 -> 2 on CPU: 15-33% -> 57-97%
+    of memcpy, benchmarks/RESULTS.md). The packed copies take up to a quarter of the KV pool's
+    size; handoffs beyond that read the pool as before. 0 (default here): no packing. The worker
+    CLI's default `auto` resolves it from the cluster's shard spec (`resolve_pack_for_tp`)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layerwise, bool):

@@ -7,6 +7,12 @@ packed endpoint in the preview and the descriptor (engine/transfer/source_pack.p
     step end ─▶ finish(request): any layer not packed yet ─▶ descriptor with `endpoints(request)`
     after every step ─▶ release_done(): packs of requests whose pins are gone (ack, abort, lease)
 
+Which TP to pack for is decided per request: the router names the decode worker's TP size in
+`PrefillRequest.decode_tp` (the service records it in `PrefillState.decode_tp`); a request without
+one is packed for `pack_for_tp`. `--pack-for-tp auto` (the CLI's default, `resolve_pack_for_tp`)
+turns the arena on only where the cluster's shard spec has a decode group of a larger TP size, so
+clusters without reshards pay nothing.
+
 A decode worker of another TP size, or an arena that is full, reads the pool as before (the pull
 matches packed slices by head range and falls back op by op), so packing never decides
 correctness; the descriptor's block checksums verify every import either way. Single-rank prefill
@@ -16,10 +22,27 @@ groups only: rank 0 publishes every rank's endpoint, and only its own arena offs
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+import logging
+from collections.abc import Callable, Sequence
 
 from splitserve.engine.handoff import RankEndpoint, engine_layout
 from splitserve.engine.transfer.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+PACK_AUTO = "auto"
+
+
+def resolve_pack_for_tp(value: int | str, *, role: str, transport: str, world_size: int,
+                        decode_tps: Sequence[int] | None) -> int:
+    """`--pack-for-tp` as an int. `auto`: the largest decode TP of the cluster's shard spec
+    (`decode_tps`, None without a control plane) when this is a one-rank NIXL prefill worker and
+    that TP is above 1 (its ranks take head slices, read strided from an unpacked pool); else 0."""
+    if value != PACK_AUTO:
+        return value
+    if role != "prefill" or transport != "nixl" or world_size != 1 or not decode_tps:
+        return 0
+    return max(decode_tps) if max(decode_tps) > 1 else 0
 
 
 def pack_target(engine, dst_tp: int) -> KVLayout:
@@ -37,34 +60,52 @@ def arena_bytes(engine, fraction: float = 0.25) -> int:
     return int(fraction * sum(t.numel() * t.element_size() for t in engine.kv_caches))
 
 
-def make_packer(engine, transport) -> HandoffPacker | None:
-    """The packer of a prefill rank whose transport has packed memory (`--pack-for-tp`), else None."""
+def make_packer(engine, transport, target_tp: Callable[[str], int] | None = None) -> HandoffPacker | None:
+    """The packer of a prefill rank whose transport has packed memory (`--pack-for-tp`), else None.
+    `target_tp(request_id)`: the decode TP the router named for the request (0 = none)."""
     config = getattr(engine, "config", None)
     if config is None or not config.transfer.pack_for_tp or not hasattr(transport, "pack_begin"):
         return None
-    return HandoffPacker(engine, transport, config.transfer.pack_for_tp)
+    return HandoffPacker(engine, transport, config.transfer.pack_for_tp, target_tp)
 
 
 class HandoffPacker:
     """Owned by the engine thread of a single-rank prefill group whose transport is NIXL."""
 
-    def __init__(self, engine, transport, dst_tp: int):
+    def __init__(self, engine, transport, default_tp: int, target_tp: Callable[[str], int] | None = None):
         self.engine = engine
         self.transport = transport
         self.src = engine_layout(engine)
-        self.dst = pack_target(engine, dst_tp)
+        self.default_tp = default_tp
+        self._target_tp = target_tp or (lambda request_id: 0)
+        self._layouts: dict[int, KVLayout | None] = {default_tp: pack_target(engine, default_tp)}
         self._refused: set[str] = set()
+
+    def target(self, request_id: str) -> KVLayout | None:
+        """The decode layout to pack `request_id` for; None: nothing to pack (the same TP as this
+        rank, or a TP the model's kv heads do not fit, warned once per TP)."""
+        tp = self._target_tp(request_id) or self.default_tp
+        if tp not in self._layouts:
+            try:
+                self._layouts[tp] = pack_target(self.engine, tp)
+            except ValueError as exc:
+                log.warning("not packing handoffs for decode tp=%d: %s", tp, exc)
+                self._layouts[tp] = None
+        dst = self._layouts[tp]
+        return dst if dst is not None and dst.tp != self.src.tp else None
 
     def begin(self, request_id: str, block_ids: Sequence[int]) -> bool:
         """Reserve the request's packed memory; False (for good: its preview went out unpacked)
         when the arena is full or nothing is strided."""
         if request_id in self._refused:
             return False
-        if self.transport.pack_begin(request_id, self.src, self.dst, 0, block_ids):
+        dst = self.target(request_id)
+        if dst is not None and self.transport.pack_begin(request_id, self.src, dst, 0, block_ids):
             return True
-        self.release_done()  # packs of pins released since the last step end may hold the room
-        if self.transport.pack_begin(request_id, self.src, self.dst, 0, block_ids):
-            return True
+        if dst is not None:
+            self.release_done()  # packs of pins released since the last step end may hold the room
+            if self.transport.pack_begin(request_id, self.src, dst, 0, block_ids):
+                return True
         self._refused.add(request_id)
         return False
 

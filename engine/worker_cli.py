@@ -35,12 +35,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--pack-for-tp",
-        type=int,
-        default=0,
-        metavar="N",
-        help="prefill role, --transport nixl, one rank: pack each handoff's KV head slices for decode workers of TP size "
-        "N while the layers are written, so their pulls read contiguous memory (engine/config.py "
-        "TransferConfig.pack_for_tp; costs up to a quarter of the KV pool in packed copies). Default 0: off",
+        type=_pack_for_tp,
+        default="auto",
+        metavar="auto|N",
+        help="prefill role, --transport nixl, one rank: pack each handoff's KV head slices for the decode worker's TP "
+        "size (named by the router per request; N when it names none) while the layers are written, so the decode "
+        "ranks read contiguous memory (engine/config.py TransferConfig.pack_for_tp; costs up to a quarter of the KV "
+        "pool in packed memory). Default auto: on when the cluster's --inference-shards spec (from --etcd) has a "
+        "decode group of TP > 1, packing for its largest TP by default; 0: off",
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")
@@ -68,6 +70,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     sim.add_argument("--sim-decode-step-s", type=float, default=SimConfig.decode_step_s, help="modelled seconds of a step that decodes, any batch (default %(default)s)")
     sim.add_argument("--sim-transfer-gbps", type=float, default=SimConfig.transfer_gbps, help="modelled KV pull bandwidth in GB/s (default %(default)s)")
     sim.add_argument("--sim-vocab-size", type=int, default=None, help="pseudo-tokens lie in [0, N) (default: the model's vocabulary)")
+
+def _pack_for_tp(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    if not text.strip().isdigit():
+        raise argparse.ArgumentTypeError(f"expected auto or a TP size >= 0 (0 = off), got {text!r}")
+    return int(text)
+
 
 def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
     options = dict(

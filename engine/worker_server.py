@@ -64,6 +64,7 @@ async def serve_worker(
         except BaseException:
             publisher.close()
             raise
+    spec = _resolve_pack_for_tp(spec, registration)
     try:
         group = await asyncio.to_thread(WorkerGroup, spec, hooks_factory, publisher)
     except BaseException:
@@ -197,6 +198,22 @@ async def follow_lifecycle(registration, group: WorkerGroup, poll_s: float = 0.1
         await asyncio.sleep(poll_s)
 
 
+def _resolve_pack_for_tp(spec: WorkerSpec, registration) -> WorkerSpec:
+    """`--pack-for-tp auto` → an int, from the decode groups of the cluster's shard spec."""
+    from splitserve.engine.handoff_pack import PACK_AUTO, resolve_pack_for_tp
+
+    value = spec.engine_options.get("pack_for_tp", 0)
+    if value != PACK_AUTO:
+        return spec
+    topology = registration.topology if registration is not None else None
+    decode_tps = None if topology is None else [g.tp for g in topology.spec.groups if g.role.value == "decode"]
+    resolved = resolve_pack_for_tp(value, role=spec.role, transport=spec.transport, world_size=spec.world_size,
+                                   decode_tps=decode_tps)
+    if resolved:
+        log.info("packing handoffs for decode TP sizes the router names (default tp=%d): --pack-for-tp auto", resolved)
+    return dataclasses.replace(spec, engine_options={**spec.engine_options, "pack_for_tp": resolved})
+
+
 async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, worker_id: str, publisher):
     """Take a slot from the control plane; the slot's group decides tp and pp.
 
@@ -220,6 +237,8 @@ async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, wor
     )
     assignment = await registration.start()
     try:
+        with contextlib.suppress(TimeoutError):  # the shard spec, for --pack-for-tp auto
+            await registration.wait_for(lambda r: r.topology is not None, timeout_s=5.0)
         slot = assignment.slots[0]
         if len(assignment.slots) != slot.tp * slot.pp:
             raise ValueError(

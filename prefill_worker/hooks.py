@@ -76,6 +76,9 @@ class PrefillState:
     completes the prompt starts (engine/handoff_layerwise.py `LayerPublisher`)."""
     push_waiters: dict[str, concurrent.futures.Future] = field(default_factory=dict)
     """torch_dist: PushKV calls waiting for the "push" command's decision, by push id."""
+    decode_tp: dict[str, int] = field(default_factory=dict)
+    """TP size of the decode worker the router chose, by request id (PrefillRequest.decode_tp;
+    absent = not named): what the handoff's head slices are packed for (engine/handoff_pack.py)."""
 
     def signal_started(self, request_id: str, preview: HandoffDescriptor) -> None:
         _settle(self.started.pop(request_id, None), preview)
@@ -87,10 +90,12 @@ class PrefillState:
 
     def resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
         self.first_tokens.pop(request_id, None)  # normally gone already (signalled just before)
+        self.decode_tp.pop(request_id, None)
         _settle(self.waiters.pop(request_id, None), outcome)
 
     def forget(self, request_id: str) -> None:
         """The call is gone (cancelled, timed out, aborted): drop and cancel its futures."""
+        self.decode_tp.pop(request_id, None)
         for futures in (self.started, self.first_tokens, self.waiters):
             future = futures.pop(request_id, None)
             if future is not None:
@@ -114,7 +119,7 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
         return getattr(transport, "board", None) if engine.config.transfer.layerwise else None
 
     is_hybrid = has_recurrent_state(engine)
-    packer = make_packer(engine, transport)
+    packer = make_packer(engine, transport, (lambda rid: state.decode_tp.get(rid, 0)) if state is not None else None)
 
     def endpoints_for(request_id: str) -> dict[int, RankEndpoint]:
         return packer.endpoints(request_id, state.endpoints) if packer is not None else state.endpoints

@@ -147,6 +147,8 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         waiter: concurrent.futures.Future = concurrent.futures.Future()
         self.state.first_tokens[request_id] = first_token
         self.state.waiters[request_id] = waiter
+        if request.decode_tp > 0:
+            self.state.decode_tp[request_id] = request.decode_tp
         preview_future: concurrent.futures.Future | None = None
         if is_stream and self.engine.config.transfer.layerwise:
             preview_future = self.state.started[request_id] = concurrent.futures.Future()

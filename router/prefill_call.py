@@ -103,8 +103,10 @@ class PrefillCaller:
                     )
                 run.touched[worker.worker_id] = worker
                 with attached(ctx):  # the call carries the span's trace context; not held across yields
+                    decode = self._view.worker(run.decode_worker_id) if run.decode_worker_id else None
                     call = self._client.prefill_stream(
-                        worker, run.request, run.decode_worker_id, self._config.prefill_timeout_s
+                        worker, run.request, run.decode_worker_id, self._config.prefill_timeout_s,
+                        decode_tp=decode.tp if decode is not None else 0,
                     )
                 result = None
                 try:

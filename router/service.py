@@ -136,10 +136,13 @@ def chunk_to_proto(chunk: OutputChunk) -> router_pb2.GenerateChunk:
 
 
 # ----------------------------------------------------------------- worker API
-def prefill_request_to_proto(request: GenerateRequest, decode_worker_id: str) -> prefill_worker_pb2.PrefillRequest:
+def prefill_request_to_proto(
+    request: GenerateRequest, decode_worker_id: str, decode_tp: int = 0
+) -> prefill_worker_pb2.PrefillRequest:
     return prefill_worker_pb2.PrefillRequest(
         request_id=request.request_id, token_ids=request.token_ids,
         sampling_params=sampling_params_to_proto(request.sampling_params), decode_worker_id=decode_worker_id,
+        decode_tp=decode_tp,
     )  # fmt: skip
 
 

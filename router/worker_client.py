@@ -132,11 +132,13 @@ class GrpcWorkerClient:
         return self._channels[address]
 
     def prefill_stream(
-        self, worker: WorkerEndpoint, request: GenerateRequest, decode_worker_id: str, timeout_s: float
+        self, worker: WorkerEndpoint, request: GenerateRequest, decode_worker_id: str, timeout_s: float,
+        decode_tp: int = 0,
     ) -> PrefillStreamCall:
-        """Starts PrefillStream now (with the current trace context); `timeout_s` bounds the whole stream."""
+        """Starts PrefillStream now (with the current trace context); `timeout_s` bounds the whole stream.
+        `decode_tp`: the decode worker's TP size (0 = unknown), for packing on the prefill side."""
         stub = prefill_worker_pb2_grpc.PrefillWorkerStub(self._channel(worker.address))
-        message = prefill_request_to_proto(request, decode_worker_id)
+        message = prefill_request_to_proto(request, decode_worker_id, decode_tp)
         return PrefillStreamCall(worker, stub.PrefillStream(message, timeout=timeout_s, metadata=inject_metadata()))
 
     def decode(

@@ -32,6 +32,8 @@ class WorkerEndpoint:
     """etcd lease of its registration: a new one means a new process (restart its KV-event stream)."""
     is_draining: bool = False
     """Finishing its requests before leaving: no new ones are routed to it."""
+    tp: int = 1
+    """Tensor-parallel size of its group (a prefill worker packs a handoff's head slices for it)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.worker_id, str) or not self.worker_id:
@@ -70,5 +72,6 @@ def routable_workers(topology: Topology) -> dict[str, WorkerEndpoint]:
             kv_block_size=record.kv_block_size,
             lease_id=worker.lease_id,
             is_draining=worker.is_draining,
+            tp=front.tp,
         )
     return routable

@@ -37,16 +37,18 @@ def expected(model_dir):
     return LLM(model_dir, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
 
 
-def _stream_once(address, prompt):
+def _stream_once(address, prompt, request_id="once", decode_tp=0):
     import grpc
 
     from splitserve.engine.wire import sampling_to_proto
     from splitserve.proto.v1 import prefill_worker_pb2, prefill_worker_pb2_grpc
 
     with grpc.insecure_channel(address) as channel:
-        events = list(prefill_worker_pb2_grpc.PrefillWorkerStub(channel).PrefillStream(
-            prefill_worker_pb2.PrefillRequest(request_id="once", token_ids=prompt,
+        stub = prefill_worker_pb2_grpc.PrefillWorkerStub(channel)
+        events = list(stub.PrefillStream(
+            prefill_worker_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, decode_tp=decode_tp,
                                               sampling_params=sampling_to_proto(PARAMS)), timeout=60))
+        stub.Release(prefill_worker_pb2.ReleaseRequest(request_id=request_id), timeout=10)
     return events[0].handoff_started, events[-1].response
 
 
@@ -82,6 +84,19 @@ def test_a_packed_handoff_gives_the_aggregated_tokens(model_dir, expected, layer
     for (tokens, logprobs), ref in zip(outs, expected, strict=True):
         assert tokens == ref.generated_tokens
         assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+
+
+def test_the_decode_tp_named_per_request_decides_what_is_packed(model_dir):
+    """The router names the chosen decode worker's TP (PrefillRequest.decode_tp): a tp=1 decode
+    worker needs nothing packed, one the model's kv heads do not fit gets the pool as is (the
+    worker warns and serves on), and a request naming none is packed for --pack-for-tp."""
+    prompt = _prompts()[1]
+    with running_worker("prefill-worker", model_dir, "--tp", "1", "--pack-for-tp", "2", *ENGINE_FLAGS) as pw:
+        for request_id, decode_tp, groups in (("named-1", 1, None), ("named-3", 3, None), ("named-2", 2, [(0, 1), (1, 1)]),
+                                              ("unnamed", 0, [(0, 1), (1, 1)])):
+            preview, response = _stream_once(pw.address, prompt, request_id, decode_tp)
+            for handoff in (preview, response.handoff):
+                assert _packed_groups(handoff.rank_endpoints[0].agent_metadata) == groups, request_id
 
 
 def test_pack_for_tp_is_refused_where_it_cannot_work(model_dir):

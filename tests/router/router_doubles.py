@@ -212,7 +212,8 @@ async def serving(*doubles):
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         servers.append(server)
-        endpoints[double.worker_id] = WorkerEndpoint(double.worker_id, f"127.0.0.1:{port}", role)
+        endpoints[double.worker_id] = WorkerEndpoint(double.worker_id, f"127.0.0.1:{port}", role,
+                                                     tp=getattr(double, "tp", 1))
     try:
         yield endpoints
     finally:

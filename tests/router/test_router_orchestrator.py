@@ -60,6 +60,7 @@ async def eventually(predicate, timeout_s: float = 5.0) -> None:
 async def test_disaggregated_stream_sends_the_first_token_exactly_once():
     p0, d0 = PrefillDouble("p0"), DecodeDouble("d0")
     p0.num_cached_tokens = 8
+    d0.tp = 2  # the prefill worker is told, to pack the handoff's head slices for it
     async with serving(p0, d0) as endpoints, router(endpoints) as (_, stub):
         chunks = await collect(stub, request("r1", return_timing=True))
     first = first_token_of(PROMPT)
@@ -75,6 +76,8 @@ async def test_disaggregated_stream_sends_the_first_token_exactly_once():
     assert last.routing.num_transfer_blocks == 3 and last.routing.reason.startswith("disaggregated")
     assert 0 < last.timing.time_to_first_token_ms <= last.timing.total_ms
     assert not any(c.HasField("usage") for c in chunks[:-1])
+    (prefill_request,) = p0.requests
+    assert (prefill_request.decode_worker_id, prefill_request.decode_tp) == ("d0", 2)
     (decode_request,) = d0.requests
     assert decode_request.handoff.first_token_id == first and decode_request.prefill_address == endpoints["p0"].address
     assert p0.aborted == [] and d0.aborted == []

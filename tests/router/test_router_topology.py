@@ -44,7 +44,7 @@ def test_routable_workers_are_rank_zero_of_complete_replicas():
     ]
     topology = _topology(("pa", "pb", "d0", None), records)
     assert routable_workers(topology) == {
-        "pa": WorkerEndpoint("pa", "127.0.0.1:1", Role.PREFILL, "tcp://127.0.0.1:9", 16, lease_id=7),
+        "pa": WorkerEndpoint("pa", "127.0.0.1:1", Role.PREFILL, "tcp://127.0.0.1:9", 16, lease_id=7, tp=2),
         "d0": WorkerEndpoint("d0", "127.0.0.1:3", Role.DECODE, lease_id=7),  # role from the slot
     }
     # The tp=2 replica misses its rank 1: its rank 0 cannot serve yet.
