@@ -207,7 +207,8 @@ def _resolve_pack_for_tp(spec: WorkerSpec, registration) -> WorkerSpec:
         return spec
     topology = registration.topology if registration is not None else None
     decode_tps = None if topology is None else [g.tp for g in topology.spec.groups if g.role.value == "decode"]
-    resolved = resolve_pack_for_tp(value, role=spec.role, transport=spec.transport, world_size=spec.world_size,
+    transport = "sim" if spec.engine == "sim" else spec.transport  # the sim engine has no KV to pack
+    resolved = resolve_pack_for_tp(value, role=spec.role, transport=transport, world_size=spec.world_size,
                                    decode_tps=decode_tps)
     if resolved:
         log.info("packing handoffs for decode TP sizes the router names (default tp=%d): --pack-for-tp auto", resolved)
@@ -237,8 +238,9 @@ async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, wor
     )
     assignment = await registration.start()
     try:
-        with contextlib.suppress(TimeoutError):  # the shard spec, for --pack-for-tp auto
-            await registration.wait_for(lambda r: r.topology is not None, timeout_s=5.0)
+        if spec.engine_options.get("pack_for_tp") == "auto":  # it reads the shard spec from the topology
+            with contextlib.suppress(TimeoutError):
+                await registration.wait_for(lambda r: r.topology is not None, timeout_s=5.0)
         slot = assignment.slots[0]
         if len(assignment.slots) != slot.tp * slot.pp:
             raise ValueError(

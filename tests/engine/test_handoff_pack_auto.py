@@ -33,8 +33,9 @@ def test_resolve(value, where, decode_tps, expected):
     assert resolve_pack_for_tp(value, **(PREFILL | where), decode_tps=decode_tps) == expected
 
 
-def _spec(pack_for_tp, transport="nixl", role="prefill") -> WorkerSpec:
-    return WorkerSpec(model="m", role=role, transport=transport, engine_options={"pack_for_tp": pack_for_tp})
+def _spec(pack_for_tp, transport="nixl", role="prefill", engine="torch") -> WorkerSpec:
+    return WorkerSpec(model="m", role=role, transport=transport, engine_options={"pack_for_tp": pack_for_tp},
+                      engine=engine)
 
 
 def test_the_worker_resolves_auto_from_the_topology_it_registered_with():
@@ -44,6 +45,7 @@ def test_the_worker_resolves_auto_from_the_topology_it_registered_with():
     assert _resolve_pack_for_tp(_spec("auto"), None).engine_options["pack_for_tp"] == 0
     assert _resolve_pack_for_tp(_spec("auto", "shm"), registration).engine_options["pack_for_tp"] == 0
     assert _resolve_pack_for_tp(_spec(3), registration).engine_options["pack_for_tp"] == 3
+    assert _resolve_pack_for_tp(_spec("auto", engine="sim"), registration).engine_options["pack_for_tp"] == 0
     same = SimpleNamespace(topology=SimpleNamespace(spec=parse_inference_shards("role=prefill+role=decode,dp=2")))
     assert _resolve_pack_for_tp(_spec("auto"), same).engine_options["pack_for_tp"] == 0
 
