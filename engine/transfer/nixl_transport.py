@@ -21,15 +21,13 @@ import os
 import time
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 import numpy as np
 import torch
 
 from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer import nixl_same_host as same_host
-from splitserve.engine.transfer.kv_tensors import check_kv_tensors, torch_dtype
-from splitserve.engine.transfer.layout import KVLayout
+from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.nixl_agent import (
     PROGRESS_DELAY_US,
     apply_env_defaults,
@@ -37,18 +35,12 @@ from splitserve.engine.transfer.nixl_agent import (
     nixl_api,
 )
 from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
+from splitserve.engine.transfer.nixl_packed_source import NixlPackedSource
 from splitserve.engine.transfer.nixl_staging import should_stage, staged_pull
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.progress import NUM_BOARD_SLOTS, ProgressBoard
 from splitserve.engine.transfer.regions import Regions, ops_regions
-from splitserve.engine.transfer.source_pack import (
-    PackArena,
-    PackJob,
-    pack_groups,
-    pack_layers,
-    packed_regions,
-    start_job,
-)
+from splitserve.engine.transfer.source_pack import PackArena, PackJob, packed_regions
 from splitserve.engine.transfer.transport import (
     KVTransport,
     TransferError,
@@ -65,7 +57,7 @@ def _mem(t: torch.Tensor) -> tuple[str, int]:
     return ("VRAM", t.get_device()) if t.is_cuda else ("DRAM", 0)
 
 
-class NixlTransport(KVTransport):
+class NixlTransport(NixlPackedSource, KVTransport):
     """One NIXL agent per worker rank. Not thread-safe."""
 
     kind = "nixl"
@@ -129,12 +121,7 @@ class NixlTransport(KVTransport):
         board = ProgressBoard.for_pool(kv_tensors, self._num_board_slots)
         if self.board is None or self.board.shape != board.shape:  # exposed again: keep live slots
             self.board = board
-        if self._pack_arena_bytes and (self._arena is None or self._arena.tensor.device != kv_tensors[0].device):
-            self._jobs.clear()
-            device = kv_tensors[0].device
-            self._arena = PackArena(torch.empty(self._pack_arena_bytes, dtype=torch.uint8, device=device)
-                                    if device.type == "cuda" else huge_page_empty(self._pack_arena_bytes, torch.uint8))
-        arena = [self._arena.tensor] if self._arena is not None else []
+        arena = self._arena_on(kv_tensors[0].device)
         self._register([*kv_tensors, self.board.tensor, *arena])  # before taking the metadata: it covers all
         mem_type, device_id = _mem(kv_tensors[0])
         ipc_host, ipc_handles = same_host.publish(kv_tensors)
@@ -146,58 +133,6 @@ class NixlTransport(KVTransport):
             ipc_host=ipc_host, ipc_handles=ipc_handles,
         )
         return self._endpoint.to_bytes()
-
-    # ---- source-packed reshards (source_pack.py) ----------------------------------------------
-
-    def pack_begin(self, request_id: str, src: KVLayout, dst: KVLayout, src_rank: int,
-                   block_ids: Sequence[int]) -> bool:
-        """Reserve arena room to pack `request_id`'s head slices that layout `dst` reads strided
-        from this rank. False (nothing reserved) when no slice is strided, there is no arena, or
-        it is full: the destination then reads the pool. Layers are packed by `pack_layers`."""
-        if self._arena is None or self._endpoint is None or request_id in self._jobs:
-            return request_id in self._jobs
-        groups = pack_groups(src, dst, src_rank)
-        if not groups or not block_ids:
-            return False
-        num_layers = src.num_local_layers(src.pp_rank(src_rank))
-        job = start_job(self._arena, src, groups, num_layers, block_ids, torch_dtype(src))
-        if job is None:
-            return False
-        self._jobs[request_id] = job
-        return True
-
-    def pack_layers(self, request_id: str, kv_tensors: Sequence[torch.Tensor], start: int, end: int) -> None:
-        """Pack local layers [start, end) of a request `pack_begin` accepted (a no-op otherwise).
-        Publish a layer (board mark, descriptor) only after it is packed."""
-        job = self._jobs.get(request_id)
-        if job is not None:
-            pack_layers(job, kv_tensors, start, end)
-            if kv_tensors[0].is_cuda:
-                torch.cuda.current_stream(kv_tensors[0].device).synchronize()
-
-    def packed_metadata(self, request_id: str) -> bytes:
-        """This rank's endpoint bytes for `request_id`: with its packed slices when it has them."""
-        if self._endpoint is None:
-            raise TransferError(f"NIXL agent {self.name} has exposed nothing")
-        job = self._jobs.get(request_id)
-        return (self._endpoint if job is None else replace(self._endpoint, packed=job.packed)).to_bytes()
-
-    def pack_release(self, request_id: str) -> None:
-        """Free a request's packed slices (on the destination's acknowledgement, cancel, or lease
-        expiry — the same moments its pool blocks are unpinned). Idempotent."""
-        job = self._jobs.pop(request_id, None)
-        if job is not None and self._arena is not None:
-            for start, nbytes in job.spans:
-                self._arena.free(start, nbytes)
-
-    def packed_requests(self) -> list[str]:
-        """Requests holding packed memory (until `pack_release`)."""
-        return list(self._jobs)
-
-    def layers_packed(self, request_id: str) -> int:
-        """Local layers of a request packed so far (0: none, or not packing it)."""
-        job = self._jobs.get(request_id)
-        return 0 if job is None else job.layers_packed
 
     def _parse(self, metadata: bytes) -> NixlEndpoint:
         """`NixlEndpoint.from_bytes`, remembered per metadata: a VRAM source's header carries its
