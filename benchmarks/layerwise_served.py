@@ -42,8 +42,9 @@ CFG = dict(vocab_size=2048, hidden_size=512, intermediate_size=1024, num_hidden_
            num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=32768)
 
 
-def run_one(stubs, prefill_addr: str, rid: str, ids: list[int], sp, prefetch: bool) -> tuple[float, float, float, bool]:
-    """(first token s, decode ready s, decode import ms, prefetched) of one request."""
+def run_one(stubs, prefill_addr: str, rid: str, ids: list[int], sp, prefetch: bool
+            ) -> tuple[float, float, float, bool, float]:
+    """(first token s, decode ready s, decode import ms, prefetched, the transport's pull ms) of one request."""
     from splitserve.proto.v1 import decode_worker_pb2, prefill_worker_pb2
 
     prefill, decode = stubs
@@ -60,7 +61,7 @@ def run_one(stubs, prefill_addr: str, rid: str, ids: list[int], sp, prefetch: bo
             first = time.perf_counter() - t0
         else:
             response = event.response
-    ready, transfer_ms, prefetched = None, 0.0, False
+    ready, transfer_ms, prefetched, pull_ms = None, 0.0, False, 0.0
     for chunk in decode.Decode(decode_worker_pb2.DecodeRequest(
             request_id=rid, token_ids=ids, sampling_params=sp, handoff=response.handoff,
             prefill_address=prefill_addr), timeout=600):  # fmt: skip
@@ -68,7 +69,8 @@ def run_one(stubs, prefill_addr: str, rid: str, ids: list[int], sp, prefetch: bo
             ready = time.perf_counter() - t0
         if chunk.HasField("timing"):
             transfer_ms, prefetched = chunk.timing.transfer_ms, chunk.timing.prefetched
-    return first, ready, transfer_ms, prefetched
+            pull_ms = 1e3 * chunk.timing.transfer_seconds
+    return first, ready, transfer_ms, prefetched, pull_ms
 
 
 def main() -> None:
