@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_disagg import start_worker  # noqa: E402
+from ttft_disagg import start_worker, stop_workers  # noqa: E402
 
 from engine import make_checkpoint  # noqa: E402
 
@@ -129,13 +128,7 @@ def main() -> None:
                 for c in chans:
                     c.close()
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_workers(procs)
     kv_mb = CFG["num_hidden_layers"] * 2 * CFG["num_key_value_heads"] * (CFG["hidden_size"] // CFG["num_attention_heads"]) * 4
     print(f"transport {args.transport}, CPU fp32, {2 * args.reps} requests per cell (medians), KV {kv_mb / 1024:.0f} "
           f"KB/token, {'prefill and decode on separate cores' if args.split_cores else 'all processes on all cores'}")

@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ttft_disagg import CFG, start_worker  # noqa: E402
+from ttft_disagg import CFG, start_worker, stop_workers  # noqa: E402
 
 from engine import make_checkpoint  # noqa: E402
 
@@ -167,13 +167,7 @@ def run_pair(model: str, big: str, pair, transport: str, gpus: int, tokens: int,
                 out["ttft_dis_ms"] = statistics.median(dis_t) * 1e3
                 out["handoff_gbps"] = statistics.median(gbps) if gbps else float("nan")
         finally:
-            for proc in (prefill_proc, decode_proc):
-                proc.terminate()
-            for proc in (prefill_proc, decode_proc):
-                try:
-                    proc.wait(30)
-                except Exception:
-                    proc.kill()
+            stop_workers((prefill_proc, decode_proc))
     return out
 
 

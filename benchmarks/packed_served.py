@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from layerwise_served import CFG, run_one  # noqa: E402
-from ttft_disagg import start_worker  # noqa: E402
+from ttft_disagg import start_worker, stop_workers  # noqa: E402
 
 from engine import make_checkpoint  # noqa: E402
 
@@ -78,13 +77,7 @@ def main() -> None:
                 for c in chans:
                     c.close()
         finally:
-            for proc in procs:
-                proc.terminate()
-            for proc in procs:
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_workers(procs)
     kv_kb = CFG["num_hidden_layers"] * 2 * CFG["num_key_value_heads"] * (CFG["hidden_size"] // CFG["num_attention_heads"]) * 4 / 1024
     print(f"# {time.strftime('%Y-%m-%d %H:%M')}  NIXL tp 1 -> 2, CPU fp32, KV {kv_kb:.0f} KB/token, "
           f"{args.reps} requests per cell (medians of the decode worker's import)")

@@ -67,6 +67,17 @@ def start_worker(kind: str, model: str, flags: list[str], gpus: str | None = Non
     return proc, address[0]
 
 
+def stop_workers(procs) -> None:
+    """SIGTERM every worker (they drain at once with nothing in flight), then wait; kill the stragglers."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def main() -> None:
     import grpc
 
@@ -148,13 +159,7 @@ def main() -> None:
                     dis.append(t)
                     ready.append(r)
         finally:
-            for proc in (prefill_proc, decode_proc):
-                proc.terminate()
-            for proc in (prefill_proc, decode_proc):
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+            stop_workers((prefill_proc, decode_proc))
     a, d, r = (statistics.median(x) * 1e3 for x in (agg, dis, ready))
     print(f"prompt {args.tokens} tokens, transport {args.transport}, {args.reps} reps (medians)")
     print(f"{'TTFT aggregated ms':>20} {'TTFT disagg ms':>16} {'disagg/agg - 1':>15} {'decode ready ms':>16} {'ready/agg - 1':>14}")
