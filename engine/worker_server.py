@@ -200,13 +200,14 @@ async def follow_lifecycle(registration, group: WorkerGroup, poll_s: float = 0.1
 
 def _resolve_pack_for_tp(spec: WorkerSpec, registration) -> WorkerSpec:
     """`--pack-for-tp auto` → an int, from the decode groups of the cluster's shard spec."""
+    from splitserve.control_plane.shard_spec import Role
     from splitserve.engine.handoff_pack import PACK_AUTO, resolve_pack_for_tp
 
     value = spec.engine_options.get("pack_for_tp", 0)
     if value != PACK_AUTO:
         return spec
     topology = registration.topology if registration is not None else None
-    decode_tps = None if topology is None else [g.tp for g in topology.spec.groups if g.role.value == "decode"]
+    decode_tps = None if topology is None else [g.tp for g in topology.spec.groups if g.role is Role.DECODE]
     transport = "sim" if spec.engine == "sim" else spec.transport  # the sim engine has no KV to pack
     resolved = resolve_pack_for_tp(value, role=spec.role, transport=transport, world_size=spec.world_size,
                                    decode_tps=decode_tps)
