@@ -120,18 +120,18 @@ class CudaIpcTransport(KVTransport):
         timeout_s: float = 30.0,
     ) -> TransferStats:
         start = time.perf_counter()
-        device = kv_tensors[0].get_device()
+        stream = current_stream(kv_tensors[0].get_device())
         num_bytes = num_ops = 0
         for src_rank in needed_sources(plan, dst_rank, remote):
             src = self.open(remote[src_rank])
             pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
             for op in plan.ops_for_pair(src_rank, dst_rank):
                 # one launch for every layer and block run of the op; replayed from a graph when it can
-                if not (self._graphs and copy_op_graph(op, src, kv_tensors, pools)):
+                if not (self._graphs and copy_op_graph(op, src, kv_tensors, pools, stream)):
                     copy_op_cuda(op, src, kv_tensors)
                 num_bytes += plan.op_bytes(op)
                 num_ops += 1
-        current_stream(device).synchronize()  # the copies ran on it; no device-wide sync
+        stream.synchronize()  # the copies ran on it; no device-wide sync
         return TransferStats(num_bytes, time.perf_counter() - start, num_ops)
 
     def close(self) -> None:

@@ -28,6 +28,7 @@ import torch
 from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer import nixl_same_host as same_host
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
+from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.nixl_agent import (
     PROGRESS_DELAY_US,
     apply_env_defaults,
@@ -101,6 +102,7 @@ class NixlTransport(NixlPackedSource, KVTransport):
         self._registered: dict[tuple[int, int], object] = {}  # (addr, nbytes) -> reg descs
         self._remote_names: dict[bytes, str] = {}  # sha256(agent metadata) -> agent name
         self._endpoints: dict[bytes, NixlEndpoint] = {}  # endpoint metadata -> parsed (_parse)
+        self._endpoints_ok: dict[tuple[int, int], tuple[NixlEndpoint, KVLayout]] = {}  # checks passed
         self._rows: dict[int, torch.Tensor] = {}  # width -> registered landing row of board reads
         self._pack_arena_bytes = int(pack_arena_bytes)
         self._arena: PackArena | None = None
@@ -168,7 +170,12 @@ class NixlTransport(NixlPackedSource, KVTransport):
         dst_pool = check_kv_tensors(kv_tensors, plan.dst, dst_rank)
         endpoints = {rank: self._parse(remote[rank]) for rank in needed_sources(plan, dst_rank, remote)}
         for src_rank, ep in endpoints.items():
-            self._check_endpoint(ep, plan, src_rank)
+            passed = self._endpoints_ok.get((id(ep), src_rank))  # parsed endpoints are reused (_parse)
+            if passed is None or passed[0] is not ep or not (passed[1] is plan.src or passed[1] == plan.src):
+                self._check_endpoint(ep, plan, src_rank)
+                if len(self._endpoints_ok) >= 64:
+                    self._endpoints_ok.clear()
+                self._endpoints_ok[(id(ep), src_rank)] = (ep, plan.src)
         shortcut = self._same_host.pull(plan, dst_rank, endpoints, kv_tensors, timeout_s)
         if shortcut is not None:  # every source on this host, VRAM to VRAM: mapped over CUDA IPC
             return shortcut
