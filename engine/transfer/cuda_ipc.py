@@ -84,7 +84,7 @@ class CudaIpcTransport(KVTransport):
     kind = "cuda_ipc"
 
     def __init__(self, graphs: bool | None = None) -> None:
-        self._mapped: dict[bytes, list[torch.Tensor]] = {}
+        self._mapped: dict[bytes | str, list[torch.Tensor]] = {}
         # graph-replayed copies (engine/transfer/graph_copy.py); SPLITSERVE_GRAPH_COPY=0 turns them off
         self._graphs = os.environ.get("SPLITSERVE_GRAPH_COPY", "1") != "0" if graphs is None else graphs
         self._pool_keys = PoolPairKeys()
@@ -94,11 +94,13 @@ class CudaIpcTransport(KVTransport):
             raise ValueError("CUDA IPC exposes contiguous CUDA tensors only")
         return json.dumps([encode_ipc_handle(*reduce_tensor(t)) for t in kv_tensors]).encode()
 
-    def open(self, metadata: bytes) -> list[torch.Tensor]:
-        """The peer's layer tensors, mapped once per metadata. At most `MAX_MAPPED` peer pools
-        stay mapped: a peer that suspends and resumes publishes new handles, and torch keeps the
-        old pool's memory allocated on the peer for as long as a mapping of it lives here."""
-        key = bytes(metadata)  # a bytes object caches its hash: a repeated lookup is O(1)
+    def open(self, metadata: bytes | str) -> list[torch.Tensor]:
+        """The peer's layer tensors, mapped once per metadata (`expose`'s bytes, or the same JSON
+        as a str, as NIXL endpoints carry it). At most `MAX_MAPPED` peer pools stay mapped: a peer
+        that suspends and resumes publishes new handles, and torch keeps the old pool's memory
+        allocated on the peer for as long as a mapping of it lives here."""
+        # bytes and str objects cache their hash: a repeated lookup of the same object is O(1)
+        key = metadata if isinstance(metadata, (bytes, str)) else bytes(metadata)
         tensors = self._mapped.get(key)
         if tensors is None:
             try:
@@ -115,7 +117,7 @@ class CudaIpcTransport(KVTransport):
         self,
         plan: TransferPlan,
         dst_rank: int,
-        remote: Mapping[int, bytes],
+        remote: Mapping[int, bytes | str],
         kv_tensors: Sequence[torch.Tensor],
         timeout_s: float = 30.0,
     ) -> TransferStats:

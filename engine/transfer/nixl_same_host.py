@@ -68,8 +68,7 @@ class SameHostPath:
     def __init__(self) -> None:
         self._ipc = None
         self._host = host_identity()
-        self._failed: set[bytes] = set()  # handle bytes whose mapping failed once
-        self._keys: dict[str, bytes] = {}  # handles as published -> the bytes CudaIpcTransport maps by
+        self._failed: set[str] = set()  # published handles whose mapping failed once
         self.pulls = 0
         """Pulls served by the shortcut (the tests read it)."""
 
@@ -79,18 +78,11 @@ class SameHostPath:
         unmappable, or the destination pool is not in VRAM."""
         if not (enabled() and self._host and kv_tensors[0].is_cuda):
             return None
-        remote: dict[int, bytes] = {}
+        remote: dict[int, str] = {}
         for rank, ep in sources.items():
-            if not ep.ipc_handles or ep.ipc_host != self._host:
+            if not ep.ipc_handles or ep.ipc_host != self._host or ep.ipc_handles in self._failed:
                 return None
-            key = self._keys.get(ep.ipc_handles)  # a parsed endpoint is reused: its str's hash is cached
-            if key is None:
-                if len(self._keys) >= 64:
-                    self._keys.clear()
-                key = self._keys[ep.ipc_handles] = ep.ipc_handles.encode()
-            if key in self._failed:
-                return None
-            remote[rank] = key
+            remote[rank] = ep.ipc_handles  # a parsed endpoint is reused (NixlTransport._parse): its hash is cached
         if self._ipc is None:
             from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport
 
