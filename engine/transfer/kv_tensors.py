@@ -5,8 +5,9 @@ request: the full walk over 16 layers (shape, dtype, device, contiguity) measure
 Python on the H200 host, as long as a tenth of an 8k-token same-host GPU copy (benchmarks/
 RESULTS.md, 2026-12-03 session 12). So a passed check is remembered for the very tensor objects
 it was made on (weak references: a freed pool is not kept alive, and a new tensor is checked
-anew) and the same layout; a pool tensor is never reshaped in place (`set_` / `resize_`), so the
-same objects still have what was checked.
+anew) and the same layout. Everything the check reads (shape, strides, dtype, device) changes on
+the same object only through `set_` / `Tensor.resize_`, which the engine never calls on a pool
+(suspend / resume resize the storage underneath, which leaves all of it as it was).
 """
 
 from __future__ import annotations
