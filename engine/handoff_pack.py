@@ -78,7 +78,7 @@ class HandoffPacker:
         self.src = engine_layout(engine)
         self.default_tp = default_tp
         self._target_tp = target_tp or (lambda request_id: 0)
-        self._layouts: dict[int, KVLayout | None] = {default_tp: pack_target(engine, default_tp)}
+        self._layouts: dict[int, KVLayout | None] = {}  # per decode TP, worked out (and warned about) once
         self._refused: set[str] = set()
 
     def target(self, request_id: str) -> KVLayout | None:

@@ -42,7 +42,8 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
         "size (named by the router per request; N when it names none) while the layers are written, so the decode "
         "ranks read contiguous memory (engine/config.py TransferConfig.pack_for_tp; costs up to a quarter of the KV "
         "pool in packed memory). Default auto: on when the cluster's --inference-shards spec (from --etcd) has a "
-        "decode group of TP > 1, packing for its largest TP by default; 0: off",
+        "decode group of TP > 1, packing for its largest TP by default (a TP the model's kv heads do not fit is "
+        "warned about and skipped; an explicit N that does not fit is refused at start); 0: off",
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")

@@ -62,6 +62,10 @@ class WorkerSpec:
     prefix cache, pseudo-tokens (engine/sim_engine.py); one rank only."""
     sim: SimConfig = field(default_factory=SimConfig)
     """Timing and vocabulary of engine="sim" (unused otherwise)."""
+    pack_for_tp_auto: bool = False
+    """engine_options["pack_for_tp"] was resolved from `--pack-for-tp auto` (worker_server.py): a
+    TP size the model's kv heads do not fit is then warned about and not packed for, where an
+    explicit `--pack-for-tp N` that does not fit is refused at start."""
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "aggregated"):
@@ -118,7 +122,14 @@ def _pack_arena_bytes(spec: WorkerSpec, engine: Engine) -> int:
     if spec.transport != "nixl" or spec.world_size != 1:
         raise ValueError(f"--pack-for-tp needs --transport nixl and a one-rank prefill worker "
                          f"(got {spec.transport}, tp={spec.tensor_parallel_size} x pp={spec.pipeline_parallel_size})")
-    pack_target(engine, config.transfer.pack_for_tp)  # a TP size the model's kv heads fit
+    try:
+        pack_target(engine, config.transfer.pack_for_tp)  # a TP size the model's kv heads fit
+    except ValueError as exc:
+        if not spec.pack_for_tp_auto:
+            raise
+        # the cluster's largest decode TP cannot hold this model (nor could that decode group):
+        # keep the arena for the TP sizes the router names per request that do fit
+        log.warning("--pack-for-tp auto: %s; packing only for decode TP sizes that fit", exc)
     return arena_bytes(engine)
 
 

@@ -213,7 +213,8 @@ def _resolve_pack_for_tp(spec: WorkerSpec, registration) -> WorkerSpec:
                                    decode_tps=decode_tps)
     if resolved:
         log.info("packing handoffs for decode TP sizes the router names (default tp=%d): --pack-for-tp auto", resolved)
-    return dataclasses.replace(spec, engine_options={**spec.engine_options, "pack_for_tp": resolved})
+    return dataclasses.replace(spec, engine_options={**spec.engine_options, "pack_for_tp": resolved},
+                               pack_for_tp_auto=True)
 
 
 async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, worker_id: str, publisher):

@@ -59,3 +59,25 @@ def test_the_flag_takes_auto_or_a_size(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["--pack-for-tp", "-1"])
     assert "expected auto or a TP size >= 0" in capsys.readouterr().err
+
+
+def test_an_auto_tp_the_model_cannot_hold_warns_and_an_explicit_one_is_refused(llama_ckpt, caplog):
+    """The test model has 2 kv heads: tp=3 fits neither way (2 % 3, 3 % 2). Resolved from `auto`, the
+    prefill worker still starts (arena kept for TP sizes the router names that fit, tp=2 packed, tp=3 not);
+    named on the command line, it refuses to start with the reason."""
+    from splitserve.engine.handoff_pack import HandoffPacker
+    from splitserve.engine.worker_runtime import _pack_arena_bytes, build_engine
+
+    spec = WorkerSpec(model=str(llama_ckpt), role="prefill", transport="nixl", engine_options={"pack_for_tp": 3})
+    engine = build_engine(spec)
+    with pytest.raises(ValueError, match="pack_for_tp=3 does not fit this model"):
+        _pack_arena_bytes(spec, engine)
+    auto = WorkerSpec(model=str(llama_ckpt), role="prefill", transport="nixl", engine_options={"pack_for_tp": 3},
+                      pack_for_tp_auto=True)
+    with caplog.at_level("WARNING"):
+        assert _pack_arena_bytes(auto, engine) > 0
+    assert "packing only for decode TP sizes that fit" in caplog.text
+    named = {"a": 2, "b": 3}
+    packer = HandoffPacker(engine, transport=None, default_tp=3, target_tp=lambda rid: named.get(rid, 0))
+    assert packer.target("a").tp == 2
+    assert packer.target("b") is None and packer.target("unnamed") is None  # tp=3: warned, not packed
