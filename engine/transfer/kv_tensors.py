@@ -34,8 +34,10 @@ def check_kv_tensors(kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank:
     Each must be contiguous, of `layout`'s dtype, shaped `[2, P, num_local_heads, block_size,
     head_dim]` with the same P and device for every local layer.
     """
-    key = (id(kv_tensors[0]), len(kv_tensors), rank) if kv_tensors else None
-    memo = _PASSED.get(key) if key is not None else None
+    if not kv_tensors:
+        return _check(kv_tensors, layout, rank)  # raises
+    key = (id(kv_tensors[0]), len(kv_tensors), rank)
+    memo = _PASSED.get(key)
     if memo is not None and (memo[1] is layout or memo[1] == layout) and all(
         ref() is t for ref, t in zip(memo[0], kv_tensors, strict=True)
     ):
