@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous
+from ._pdl import pdl_launch, wait_for_producer
 from .elementwise_reference import silu_and_mul_reference
 
 __all__ = ["silu_and_mul", "silu_and_mul_reference"]
@@ -21,7 +22,8 @@ _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, inter, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
@@ -43,6 +45,6 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_BLOCK, 1 << max(0, (inter - 1).bit_length()))
     _silu_and_mul_kernel[(num_tokens, cdiv(inter, block))](
-        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+        gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl_launch(gate_up.device)
     )
     return out

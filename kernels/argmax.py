@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous, next_power_of_2
+from ._pdl import pdl_launch, wait_for_producer
 
 __all__ = ["argmax_rows"]
 
@@ -23,7 +24,9 @@ _BLOCK = 4096
 
 
 @triton.jit
-def _partial_argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, stride_x, vocab, num_parts, BLOCK: tl.constexpr):
+def _partial_argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, stride_x, vocab, num_parts, BLOCK: tl.constexpr,
+                           PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     offs = part * BLOCK + tl.arange(0, BLOCK)
@@ -36,7 +39,9 @@ def _partial_argmax_kernel(x_ptr, part_val_ptr, part_idx_ptr, stride_x, vocab, n
 
 
 @triton.jit
-def _merge_argmax_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, vocab, BLOCK_P: tl.constexpr):
+def _merge_argmax_kernel(part_val_ptr, part_idx_ptr, out_ptr, num_parts, vocab, BLOCK_P: tl.constexpr,
+                         PDL: tl.constexpr):
+    wait_for_producer(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_P)
     mask = offs < num_parts
@@ -59,7 +64,9 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     parts = cdiv(vocab, block)
     part_val = torch.empty(batch, parts, dtype=torch.float32, device=logits.device)
     part_idx = torch.empty(batch, parts, dtype=torch.int32, device=logits.device)
+    pdl = pdl_launch(logits.device)
     _partial_argmax_kernel[(batch, parts)](logits, part_val, part_idx, logits.stride(0), vocab, parts, BLOCK=block,
-                                           num_warps=8 if block >= 2048 else 4)
-    _merge_argmax_kernel[(batch,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1)
+                                           num_warps=8 if block >= 2048 else 4, **pdl)
+    _merge_argmax_kernel[(batch,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1,
+                                   **pdl)
     return out

@@ -1,4 +1,4 @@
-"""Decode-batch linear layer for the LM head: out = x @ w^T for few rows, fp32 out.
+"""Decode-batch linear layer (the LM head; decoder projections on Hopper): out = x @ w^T for few rows, fp32 out.
 
     x [M, K] (M <= MAX_ROWS), w [N, K] -> out [M, N] in out_dtype (default x.dtype)
 
@@ -10,21 +10,24 @@ for Llama 3, 525 MB in bf16) cuBLAS plus the `.float()` of the logits took
 [BLOCK_N, K] once and the few rows of x (served from L2), accumulates in fp32
 and stores the result in the asked dtype, so fp32 logits need no second pass.
 
-The per-layer projections stay on cuBLAS: the same kernel (and a split-K
-variant with a last-program fix-up) at best matched it (gate_up, one row) and
-was up to 2.2x slower on the [3072 | 2048 | 16384, 2048] and [2048, 8192]
-shapes at 1 and 64 rows (benchmarks/RESULTS.md, 2026-12-02).
+Decoder-layer projections use it too, but only where it is launched with
+programmatic dependent launch (Hopper): on its own the kernel at best matched
+cuBLAS there (benchmarks/RESULTS.md, 2026-12-02); overlapping its launch with
+the previous kernel's drain is what wins (`projection_config`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
+from ._pdl import pdl_launch, pdl_mode, wait_for_producer
 
-__all__ = ["MAX_ROWS", "LinearConfig", "decode_linear", "linear_reference"]
+__all__ = ["MAX_ROWS", "LinearConfig", "decode_linear", "linear_reference", "projection_config"]
 
 MAX_ROWS = 64
 """Most rows (decode tokens) the kernel takes; larger batches are compute-shaped, for cuBLAS."""
@@ -45,7 +48,9 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -73,6 +78,41 @@ class LinearConfig(tuple):
         return super().__new__(cls, (block_n, block_k, num_warps, num_stages))
 
 
+@functools.cache
+def _is_hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+_PROJECTION_CONFIGS = {
+    # kind: (config for <= 16 rows, config for 17..64 rows; None = cuBLAS)
+    "qkv": (LinearConfig(32, 512, 2, 4), LinearConfig(32, 256, 4, 4)),
+    "o": (LinearConfig(16, 512, 2, 4), LinearConfig(16, 256, 4, 4)),
+    "gate_up": (LinearConfig(32, 128, 2, 3), LinearConfig(64, 128, 4, 3)),
+    "down": (LinearConfig(16, 512, 2, 5), None),
+}
+
+
+def projection_config(kind: str, rows: int, device: torch.device) -> LinearConfig | None:
+    """The config under which `decode_linear` beats cuBLAS for a decoder layer's projection
+    (`kind`: qkv, o, gate_up, down) of `rows` tokens, or None where cuBLAS stays faster.
+
+    The gain is programmatic dependent launch (kernels/_pdl.py): launched early, the kernel's
+    grid is up while the previous kernel drains, and it lets the next one do the same; cuBLAS
+    launches take part in neither. Without PDL this kernel only ties cuBLAS (or loses: the
+    batch-64 `down` projection, K = 8192, where cuBLAS splits K), so it is used only where PDL is
+    on and only on Hopper (compute capability 9.x), where the table was measured: a 16-layer
+    chain of RMSNorm + projection in a CUDA graph, Llama-3.2-1B shapes, on an H200, µs a layer,
+    cuBLAS -> ours: 1 row qkv 7.7-8.4 -> 6.8, o 7.9 -> 5.9, gate_up 20.9 -> 19.0, down 15.1 ->
+    13.5; 64 rows qkv 8.9-9.2 -> 8.0, o 8.4 -> 6.9, gate_up 22.4 -> 21.0, down 16.3 vs 18.0
+    (benchmarks/RESULTS.md, 2026-12-03 session 13). The larger tiles need Hopper's shared memory.
+    """
+    if rows > MAX_ROWS or kind not in _PROJECTION_CONFIGS or pdl_mode(device) == 0:
+        return None
+    if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+        return None
+    return _PROJECTION_CONFIGS[kind][rows > 16]
+
+
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, config: LinearConfig | None = None
 ) -> torch.Tensor:
@@ -97,6 +137,7 @@ def decode_linear(
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(0),
         K=k, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        **pdl_launch(x.device),
     )
     return out
 

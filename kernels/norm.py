@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_last_dim_contiguous, next_power_of_2
+from ._pdl import pdl_launch, wait_for_producer
 from .elementwise_reference import rms_norm_reference
 
 __all__ = ["rms_norm", "rms_norm_reference"]
@@ -36,7 +37,9 @@ def _rms_norm_kernel(
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
@@ -73,6 +76,6 @@ def rms_norm(
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
     return out

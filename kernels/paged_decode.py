@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2_E, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
+from ._pdl import pdl_launch, wait_for_producer
 from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
 from .reference import paged_decode_reference
 
@@ -67,7 +68,9 @@ def _decode_partition_kernel(
     PARTITION_SIZE: tl.constexpr,
     IS_SINGLE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
@@ -143,7 +146,9 @@ def _decode_reduce_kernel(
     BLOCK_D: tl.constexpr,
     PARTITION_SIZE: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producer(PDL)
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     ctx_len = tl.load(ctx_lens_ptr + b).to(tl.int32)
@@ -243,6 +248,7 @@ def paged_decode_attention(
         if tuple(part_out.shape) != expected or not part_out.is_contiguous() or not part_lse.is_contiguous():
             raise ValueError(f"workspace partial_out {tuple(part_out.shape)} does not fit {expected}")
 
+    pdl = pdl_launch(q.device)
     _decode_partition_kernel[(batch, num_kv_heads, plan.num_partitions)](
         q,
         kv,
@@ -274,6 +280,7 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
+        **pdl,
     )
     if not is_single:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -290,5 +297,6 @@ def paged_decode_attention(
             PARTITION_SIZE=plan.partition_size,
             BLOCK_P=min(64, next_power_of_2(plan.num_partitions)),
             num_warps=4,
+            **pdl,
         )
     return out

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_kv, check_last_dim_contiguous, next_power_of_2
+from ._pdl import pdl_launch, wait_for_producer
 from .elementwise_reference import rotary_reference
 
 __all__ = ["apply_rotary_qk", "apply_rotary_qk_and_write_kv", "rotary_reference"]
@@ -66,8 +67,10 @@ def _rotary_qk_kernel(
     num_q_heads, num_k_heads,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, PAGE_SIZE: tl.constexpr, WRITE_KV: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Program (t, 0): rotate q. Program (t, 1): rotate k, then (WRITE_KV) write k and v at t's slot."""
+    wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     which = tl.program_id(1)
     cos = cos_ptr + t * stride_cs
@@ -144,4 +147,5 @@ def _launch(q, k, v, cos, sin, kv, slot_mapping) -> None:
         HALF=head_dim // 2, BLOCK_HALF=next_power_of_2(head_dim // 2), BLOCK_D=next_power_of_2(head_dim),
         BLOCK_HQ=next_power_of_2(num_q), BLOCK_HK=next_power_of_2(k.shape[1]),
         PAGE_SIZE=kv.shape[3] if write else 1, WRITE_KV=write, num_warps=4,
+        **pdl_launch(q.device),
     )

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous, next_power_of_2
+from ._pdl import pdl_launch
 from .argmax import _merge_argmax_kernel
 
 __all__ = ["mask_logits", "sample_rows"]
@@ -175,5 +176,6 @@ def sample_rows(
     part_idx = torch.empty(n, parts, dtype=torch.int32, device=x.device)
     _partial_gumbel_argmax[(n, parts)](x, rows, temperature, thr, seeds, part_val, part_idx, x.stride(0), vocab, parts,
                                        BLOCK=block, num_warps=8 if block >= 2048 else 4)
-    _merge_argmax_kernel[(n,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1)
+    _merge_argmax_kernel[(n,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1,
+                               **pdl_launch(x.device))
     return out

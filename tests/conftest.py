@@ -5,10 +5,35 @@ from __future__ import annotations
 import asyncio
 import inspect
 import os
+import sys
+import types
+from pathlib import Path
 
 import pytest
 
-from tests.fixtures.models import build_hf_checkpoint, build_tokenizer
+
+def _hide_repo_root() -> None:
+    """Take the checkout's root off `sys.path`, keeping only `tests` importable from it.
+
+    `python -m pytest` (and any `python -c` run from the checkout) puts the root on `sys.path`,
+    and the root holds the project's folders under generic names (`kernels`, `router`, `engine`,
+    ...) that are installed as `splitserve.*`. As top-level names they shadow libraries of the same
+    name: transformers >= 5.25 imports any importable `kernels` as Hugging Face's `kernels`
+    library and failed every model build on ours. The tests import their helpers as `tests.*`,
+    so `tests` is registered as the namespace package it is, and nothing else from the root
+    stays visible.
+    """
+    root = Path(__file__).resolve().parent.parent
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != root]
+    if "tests" not in sys.modules:
+        pkg = types.ModuleType("tests")
+        pkg.__path__ = [str(root / "tests")]
+        sys.modules["tests"] = pkg
+
+
+_hide_repo_root()
+
+from tests.fixtures.models import build_hf_checkpoint, build_tokenizer  # noqa: E402
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")

@@ -24,6 +24,7 @@ keeps the unfused modules, the numerical reference of the tests.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import torch
@@ -36,6 +37,7 @@ from splitserve.engine.attention import (
     paged_attention,
     triton_attention_written,
 )
+from splitserve.kernels.linear import projection_config
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -65,9 +67,23 @@ def fuse_projections(model) -> None:
     model.fused = True
 
 
+_OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
+"""`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
+
+
+def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+    """F.linear, or at decode sizes on Hopper with PDL our weight-streaming kernel where it was
+    measured faster (`kernels.linear.projection_config`); same fp32 accumulation, one rounding."""
+    if _OWN_PROJECTIONS and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        config = projection_config(kind, x.shape[0], x.device)
+        if config is not None:
+            return kernels.decode_linear(x, weight, config=config)
+    return F.linear(x, weight, bias)
+
+
 def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     t, d = x.shape[0], attn.head_dim
-    qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
+    qkv = _project(x, attn.qkv_weight, attn.qkv_bias, "qkv")
     nq, nk = attn.num_heads * d, attn.num_kv_heads * d
     q = qkv[:, :nq].view(t, attn.num_heads, d)
     k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
@@ -78,11 +94,12 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
     else:
         kernels.apply_rotary_qk(q, k, cos, sin)
         o = paged_attention(q, k, v, kv, meta, attn.scale)
-    return attn.ps.all_reduce_tp(attn.o_proj(o.reshape(t, -1)))
+    return attn.ps.all_reduce_tp(_project(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias, "o"))
 
 
 def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
-    return mlp.ps.all_reduce_tp(mlp.down_proj(kernels.silu_and_mul(F.linear(x, mlp.gate_up_weight))))
+    act = kernels.silu_and_mul(_project(x, mlp.gate_up_weight, None, "gate_up"))
+    return mlp.ps.all_reduce_tp(_project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down"))
 
 
 def fused_layers_forward(

@@ -49,3 +49,33 @@ def test_decode_linear_rejects_bad_shapes(device):
         decode_linear(torch.zeros(2, 32, device=device), w)
     with pytest.raises(ValueError, match="at most"):
         decode_linear(torch.zeros(65, 64, device=device), w)
+
+
+@pytest.mark.parametrize("kind", ["qkv", "o", "gate_up", "down"])
+@pytest.mark.parametrize("rows", [1, 40])
+def test_every_projection_config_of_the_table_computes_the_product(kind, rows, device):
+    """The decoder-layer configs (`projection_config`'s table: 512-wide K tiles, 16-row N tiles)
+    on shapes that are not multiples of their tiles, whichever device runs them."""
+    from splitserve.kernels.linear import _PROJECTION_CONFIGS
+
+    config = _PROJECTION_CONFIGS[kind][rows > 16]
+    if config is None:  # cuBLAS there
+        return
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 600, generator=g).half().to(device)
+    w = (0.1 * torch.randn(70, 600, generator=g)).half().to(device)
+    torch.testing.assert_close(decode_linear(x, w, config=config).float(), linear_reference(x, w).float(),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_projections_stay_on_cublas_without_programmatic_dependent_launch(monkeypatch):
+    from splitserve.kernels.linear import projection_config
+
+    assert projection_config("qkv", 1, torch.device("cpu")) is None  # no PDL off CUDA
+    if torch.cuda.is_available():
+        cuda = torch.device("cuda")
+        monkeypatch.setenv("SPLITSERVE_PDL", "0")
+        assert projection_config("qkv", 1, cuda) is None
+        monkeypatch.setenv("SPLITSERVE_PDL", "2")
+        assert projection_config("qkv", 65, cuda) is None  # past MAX_ROWS: a prefill, cuBLAS's
+        assert projection_config("bogus", 1, cuda) is None
