@@ -6,7 +6,7 @@ import asyncio
 import pytest
 
 from splitserve import LLM, AsyncLLM, SamplingParams
-from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from splitserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer, _decode_stream
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=128, max_tokens=32)
 
@@ -24,6 +24,24 @@ def test_incremental_detokenization_reassembles_the_text(text_ckpt):
     assert "".join(detok.add(i) for i in ids) == text
     assert tok.encode("the fox")[0] == tok.bos_token_id == 1
     assert tok.encode("the fox", add_bos=False)[0] != 1
+
+
+def test_streamed_detokenizer_gives_the_windowed_decoders_deltas_token_by_token(text_ckpt):
+    """`tokenizers`' DecodeStream (used where available) against the windowed two-decode
+    algorithm it replaced, delta by delta: random ids (special tokens and split UTF-8 pieces
+    among them), after a prompt and after none."""
+    import random
+
+    tok = Tokenizer(text_ckpt)
+    rng = random.Random(0)
+    ids = [rng.randrange(tok.vocab_size) for _ in range(3000)] + tok.encode("ünïcode ✓ — déjà", add_bos=False)
+    for prompt in ([], ids[:9]):
+        streamed = IncrementalDetokenizer(tok, prompt)
+        windowed = IncrementalDetokenizer(tok, prompt)
+        windowed._stream = None
+        windowed.add = windowed._add_windowed
+        assert streamed._stream is not None or _decode_stream(tok, []) is None  # used wherever it exists
+        assert [streamed.add(i) for i in ids] == [windowed.add(i) for i in ids]
 
 
 def test_text_prompts_and_streamed_deltas(llm):
