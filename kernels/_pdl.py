@@ -10,7 +10,7 @@ while the previous one drains, and its programs wait at `griddepcontrol.wait` (T
 `SPLITSERVE_PDL`: `0` off; `1` launch with PDL and wait; `2` (default) also signal dependents
 right after the wait (`gdc_launch_dependents`), so the next PDL kernel's programs may occupy
 free multiprocessors early. Off without a CUDA device of compute capability 9.0+, and in
-Triton's interpreter (the CPU tests), where the constexpr switch compiles the wait away.
+Triton's interpreter (the CPU tests), where the constexpr switch compiles the wait away, and on ROCm.
 """
 
 from __future__ import annotations
@@ -30,14 +30,19 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return gdc_wait is not None and torch.cuda.get_device_capability(index)[0] >= 9
+    """An NVIDIA GPU of compute capability 9.0+ (ROCm reports its gfx version as the capability:
+    MI300 would read 9.4, and AMD has no griddepcontrol)."""
+    return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_mode(device: torch.device) -> int:
     """0, 1 or 2 (see the module docstring) for launches on `device`."""
+    setting = os.environ.get("SPLITSERVE_PDL", "2")
+    if setting not in ("0", "1", "2"):
+        raise ValueError(f"SPLITSERVE_PDL must be 0 (off), 1 (wait) or 2 (wait and signal early), got {setting!r}")
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") in ("1", "true"):
         return 0
-    mode = int(os.environ.get("SPLITSERVE_PDL", "2"))
+    mode = int(setting)
     return mode if mode and _capable(device.index if device.index is not None else torch.cuda.current_device()) else 0
 
 

@@ -18,6 +18,7 @@ import torch
 
 KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels._common",
+    "splitserve.kernels._pdl",
     "splitserve.kernels.paged_decode",
     "splitserve.kernels.paged_prefill",
     "splitserve.kernels.kv_write",
