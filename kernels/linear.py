@@ -27,7 +27,7 @@ import triton.language as tl
 from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, pdl_mode, wait_for_producer
 
-__all__ = ["MAX_ROWS", "LinearConfig", "decode_linear", "linear_reference", "projection_config"]
+__all__ = ["MAX_ROWS", "LinearConfig", "decode_linear", "decode_linear_partials", "linear_reference", "projection_config"]
 
 MAX_ROWS = 64
 """Most rows (decode tokens) the kernel takes; larger batches are compute-shaped, for cuBLAS."""
@@ -43,7 +43,9 @@ def _linear_kernel(
     stride_xm,
     stride_wn,
     stride_om,
+    stride_os,
     K: tl.constexpr,
+    K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -58,24 +60,32 @@ def _linear_kernel(
     mask_n = offs_n < N
     x_rows = x_ptr + offs_m[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    split = tl.program_id(1)  # program (n, s) sums K range s (one range, the whole K, unless split)
+    k_start = split * K_PER_SPLIT
+    k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(0, K, BLOCK_K):
+    for k in range(k_start, k_end, BLOCK_K):
         cols = k + offs_k
-        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < K)[None, :], other=0.0)
-        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
+        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 class LinearConfig(tuple):
-    """(block_n, block_k, num_warps, num_stages); the default is the best of a sweep at
-    the Llama-3 LM-head shape on an H200, 1 and 64 rows."""
+    """(block_n, block_k, num_warps, num_stages, splits); the default is the best of a sweep at
+    the Llama-3 LM-head shape on an H200, 1 and 64 rows. `splits` > 1: K is cut into that many
+    ranges, each summed by its own programs into an fp32 partial (`decode_linear_partials`)."""
 
     __slots__ = ()
 
-    def __new__(cls, block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 4):
-        return super().__new__(cls, (block_n, block_k, num_warps, num_stages))
+    def __new__(cls, block_n: int = 128, block_k: int = 128, num_warps: int = 4, num_stages: int = 4, splits: int = 1):
+        return super().__new__(cls, (block_n, block_k, num_warps, num_stages, splits))
+
+    @property
+    def splits(self) -> int:
+        return self[4]
 
 
 @functools.cache
@@ -88,13 +98,16 @@ _PROJECTION_CONFIGS = {
     "qkv": (LinearConfig(32, 512, 2, 4), LinearConfig(32, 256, 4, 4)),
     "o": (LinearConfig(16, 512, 2, 4), LinearConfig(16, 256, 4, 4)),
     "gate_up": (LinearConfig(32, 128, 2, 3), LinearConfig(64, 128, 4, 3)),
-    "down": (LinearConfig(16, 512, 2, 5), None),
+    "down": (LinearConfig(16, 512, 2, 5), LinearConfig(64, 128, 4, 4, splits=4)),
 }
 
 
-def projection_config(kind: str, rows: int, device: torch.device) -> LinearConfig | None:
+def projection_config(
+    kind: str, rows: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
+) -> LinearConfig | None:
     """The config under which `decode_linear` beats cuBLAS for a decoder layer's projection
-    (`kind`: qkv, o, gate_up, down) of `rows` tokens, or None where cuBLAS stays faster.
+    (`kind`: qkv, o, gate_up, down) of `rows` tokens in `dtype`, or None where cuBLAS stays
+    faster or it was not measured (4-byte dtypes: the fp32 path is a parity reference).
 
     The gain is programmatic dependent launch (kernels/_pdl.py): launched early, the kernel's
     grid is up while the previous kernel drains, and it lets the next one do the same; cuBLAS
@@ -104,9 +117,15 @@ def projection_config(kind: str, rows: int, device: torch.device) -> LinearConfi
     chain of RMSNorm + projection in a CUDA graph, Llama-3.2-1B shapes, on an H200, µs a layer,
     cuBLAS -> ours: 1 row qkv 7.7-8.4 -> 6.8, o 7.9 -> 5.9, gate_up 20.9 -> 19.0, down 15.1 ->
     13.5; 64 rows qkv 8.9-9.2 -> 8.0, o 8.4 -> 6.9, gate_up 22.4 -> 21.0, down 16.3 vs 18.0
-    (benchmarks/RESULTS.md, 2026-12-03 session 13). The larger tiles need Hopper's shared memory.
+    unsplit, so there `down` is split over K in 4 (cuBLAS splits it too, then reduces in a kernel of
+    its own): its fp32 partials go to the next add+RMSNorm, which sums them (`rms_norm` takes
+    them as x); down + reduce + add&norm 15.2-15.5 -> 13.3 (benchmarks/RESULTS.md, 2026-12-03
+    session 13). A split config is for callers that take partials (`decode_linear_partials`).
+    The larger tiles need Hopper's shared memory.
     """
-    if rows > MAX_ROWS or kind not in _PROJECTION_CONFIGS or pdl_mode(device) == 0:
+    if rows > MAX_ROWS or kind not in _PROJECTION_CONFIGS or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    if pdl_mode(device) == 0:
         return None
     if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
         return None
@@ -118,6 +137,19 @@ def decode_linear(
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], rows contiguous, M <= MAX_ROWS -> [M, N] in out_dtype
     (default x.dtype), fp32 accumulation; fp32 inputs use IEEE (not tf32) products."""
+    if config is not None and config.splits != 1:
+        raise ValueError("decode_linear() takes an unsplit config; use decode_linear_partials()")
+    return _launch(x, weight, out_dtype, config)
+
+
+def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T as fp32 partial sums [S, M, N] over S <= `config.splits` ranges
+    of K (fewer where K holds fewer whole tiles): their sum, rounded once, is `decode_linear`'s
+    result up to summation order."""
+    return _launch(x, weight, torch.float32, config)
+
+
+def _launch(x, weight, out_dtype, config) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     rows, k = x.shape
@@ -126,16 +158,18 @@ def decode_linear(
         raise ValueError(f"decode_linear() takes at most {MAX_ROWS} rows, got {rows}")
     check_last_dim_contiguous("x", x)
     check_last_dim_contiguous("weight", weight)
-    out = torch.empty(rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    if rows == 0:
-        return out
     if config is None:  # 4-byte operands: half the K tile and fewer stages fit shared memory
         config = LinearConfig() if x.element_size() <= 2 else LinearConfig(block_k=64, num_stages=2)
-    block_n, block_k, num_warps, num_stages = config
+    block_n, block_k, num_warps, num_stages, splits = config
     block_k = min(block_k, max(16, next_power_of_2(k)))
-    _linear_kernel[(cdiv(n, block_n),)](
-        x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(0),
-        K=k, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+    k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
+    ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
+    out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    if rows == 0:
+        return out
+    _linear_kernel[(cdiv(n, block_n), ranges)](
+        x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
+        K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x.device),
     )

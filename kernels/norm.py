@@ -4,6 +4,10 @@
     residual given:    s = round(x + residual); residual <- s (in place)
                        out = weight * round(s * rsqrt(mean(s^2) + eps))
 
+x may also come as split-K partial sums [S, T, H] in fp32 (`kernels.decode_linear_partials`,
+with a residual): x is then round(sum of the partials) — what the projection would have
+stored — so the reduction of a split projection costs no kernel of its own.
+
 `round` is the cast to the activation dtype: the arithmetic (fp32 statistics,
 one rounding, then the weight multiply) is the unfused model's, so the fused
 GPU path differs from it only by summation order. One launch replaces the ~8
@@ -31,24 +35,35 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr,
     stride_x,
+    stride_xs,
     stride_res,
     stride_out,
     eps,
     HIDDEN: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < HIDDEN
-    x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
-    dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t * stride_res + offs, mask=mask, other=0.0)
+        dtype = r.dtype
+        if PARTS > 0:  # split-K partials of x, fp32: their sum rounded is x
+            x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+            for part in tl.static_range(1, PARTS):
+                x += tl.load(x_ptr + part * stride_xs + t * stride_x + offs, mask=mask, other=0.0)
+            x = x.to(dtype)
+        else:
+            x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
         tl.store(res_ptr + t * stride_res + offs, x, mask=mask)
+    else:
+        x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
+        dtype = x.dtype
     x32 = x.to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
     normed = (x32 * rstd).to(dtype).to(tl.float32)
@@ -60,22 +75,27 @@ def rms_norm(
     x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [T, H] -> [T, H] in x.dtype. With `residual` [T, H]: residual <- x + residual
-    (in place) and the norm is taken of that sum. Rows must be contiguous."""
-    if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(f"x must be [T, H] and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+    (in place) and the norm is taken of that sum; x may then be fp32 split-K partials [S, T, H]
+    (see the module docstring), and the result is in residual's dtype. Rows must be contiguous."""
+    parts = x.shape[0] if x.dim() == 3 else 0
+    if parts and (residual is None or x.dtype != torch.float32):
+        raise ValueError("x as partials [S, T, H] must be float32 and come with a residual")
+    rows = x[0] if parts else x
+    if rows.dim() != 2 or weight.shape != (rows.shape[1],):
+        raise ValueError(f"x must be [T, H] (or [S, T, H] partials) and weight [H], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if residual is not None and (residual.shape != rows.shape or (not parts and residual.dtype != x.dtype)):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
     check_last_dim_contiguous("x", x)
-    out = torch.empty_like(x)
-    num_tokens, hidden = x.shape
+    out = torch.empty_like(residual if parts else x)
+    num_tokens, hidden = rows.shape
     if num_tokens == 0:
         return out
     block = next_power_of_2(hidden)
     res = residual if residual is not None else x
     check_last_dim_contiguous("residual", res)
     _rms_norm_kernel[(num_tokens,)](
-        x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
+        x, res, weight, out, rows.stride(0), x.stride(0) if parts else 0, res.stride(0), out.stride(0), eps,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts,
         num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
     return out

@@ -71,13 +71,19 @@ _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 """`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
 
 
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str) -> torch.Tensor:
+def _project(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, partials: bool = False
+) -> torch.Tensor:
     """F.linear, or at decode sizes on Hopper with PDL our weight-streaming kernel where it was
-    measured faster (`kernels.linear.projection_config`); same fp32 accumulation, one rounding."""
-    if _OWN_PROJECTIONS and bias is None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-        config = projection_config(kind, x.shape[0], x.device)
-        if config is not None:
+    measured faster (`kernels.linear.projection_config`); same fp32 accumulation, one rounding.
+    `partials`: the caller also takes fp32 split-K partials [S, T, N] (a split config's result,
+    summed and rounded by the next add+RMSNorm)."""
+    if _OWN_PROJECTIONS and bias is None:
+        config = projection_config(kind, x.shape[0], x.device, x.dtype)
+        if config is not None and config.splits == 1:
             return kernels.decode_linear(x, weight, config=config)
+        if config is not None and partials:
+            return kernels.decode_linear_partials(x, weight, config)
     return F.linear(x, weight, bias)
 
 
@@ -98,8 +104,11 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
 
 
 def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+    """[T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials [S, T, H] for the
+    next layer's add+RMSNorm to sum."""
     act = kernels.silu_and_mul(_project(x, mlp.gate_up_weight, None, "gate_up"))
-    return mlp.ps.all_reduce_tp(_project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down"))
+    down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
+    return mlp.ps.all_reduce_tp(down)
 
 
 def fused_layers_forward(
@@ -131,6 +140,8 @@ def fused_layers_forward(
         x = _mlp(layer.mlp, h)
     if residual is None:
         return hidden
+    if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would
+        x = x.sum(0).to(residual.dtype)
     return residual + x
 
 

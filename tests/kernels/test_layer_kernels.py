@@ -41,6 +41,25 @@ def test_rms_norm_matches_reference(hidden, dtype, with_residual, device):
 def test_rms_norm_rejects_bad_shapes(device):
     with pytest.raises(ValueError, match="weight"):
         rms_norm(torch.zeros(2, 8, device=device), torch.ones(4, device=device), 1e-5)
+    with pytest.raises(ValueError, match="partials"):  # partials need a residual to land in
+        rms_norm(torch.zeros(2, 3, 8, device=device), torch.ones(8, device=device), 1e-5)
+
+
+@pytest.mark.parametrize("parts", [1, 3])
+def test_rms_norm_of_split_partials_is_the_norm_of_their_rounded_sum(parts, device):
+    """x as fp32 split-K partials [S, T, H] (kernels.decode_linear_partials): the kernel sums them
+    in order and rounds once, then adds the residual: bit for bit the plain call on that sum."""
+    g = torch.Generator().manual_seed(parts)
+    partials = torch.randn(parts, 5, 96, generator=g).to(device)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).half().to(device)
+    res = torch.randn(5, 96, generator=g).half().to(device)
+    x = partials[0].clone()
+    for part in partials[1:]:
+        x += part
+    res_plain = res.clone()
+    want = rms_norm(x.half(), w, 1e-5, res_plain)
+    got = rms_norm(partials, w, 1e-5, res)
+    assert got.dtype == torch.float16 and torch.equal(got, want) and torch.equal(res, res_plain)
 
 
 @pytest.mark.parametrize(

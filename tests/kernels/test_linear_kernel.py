@@ -8,7 +8,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.kernels.linear import LinearConfig, decode_linear, linear_reference  # noqa: E402
+from splitserve.kernels.linear import LinearConfig, decode_linear, decode_linear_partials, linear_reference  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -59,13 +59,24 @@ def test_every_projection_config_of_the_table_computes_the_product(kind, rows, d
     from splitserve.kernels.linear import _PROJECTION_CONFIGS
 
     config = _PROJECTION_CONFIGS[kind][rows > 16]
-    if config is None:  # cuBLAS there
-        return
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 600, generator=g).half().to(device)
     w = (0.1 * torch.randn(70, 600, generator=g)).half().to(device)
-    torch.testing.assert_close(decode_linear(x, w, config=config).float(), linear_reference(x, w).float(),
-                               rtol=1e-2, atol=1e-2)
+    got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
+    torch.testing.assert_close(got.float(), linear_reference(x, w).float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("k,splits,ranges", [(256, 4, 4), (300, 4, 3), (64, 4, 1)])
+def test_split_partials_sum_to_the_product(k, splits, ranges, device):
+    """Whole K tiles per range: a K of fewer tiles than `splits` gives fewer partials, none left unwritten."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(6, k, generator=g).to(device)
+    w = (0.1 * torch.randn(40, k, generator=g)).to(device)
+    parts = decode_linear_partials(x, w, LinearConfig(16, 64, 4, 2, splits=splits))
+    assert parts.shape == (ranges, 6, 40) and parts.dtype == torch.float32
+    torch.testing.assert_close(parts.sum(0), linear_reference(x, w), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="unsplit"):
+        decode_linear(x, w, config=LinearConfig(16, 64, 4, 2, splits=splits))
 
 
 def test_projections_stay_on_cublas_without_programmatic_dependent_launch(monkeypatch):
