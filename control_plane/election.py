@@ -27,6 +27,10 @@ from splitserve.control_plane.registry import DEFAULT_LEASE_TTL_S, LeaseKeeper
 
 log = logging.getLogger(__name__)
 
+STOP_TIMEOUT_S = 3.0
+"""How long `close` waits for the campaign to stop (its cleanup cancels an etcd watch, an RPC
+that a stalled etcd could keep waiting forever): past it the task is left to finish alone."""
+
 
 class LeaderElection:
     """Campaigns for the leader key of `keys` on behalf of one replica (`record`).
@@ -71,8 +75,12 @@ class LeaderElection:
         without it the key stays until the lease runs out, as if this process had frozen."""
         if self._task is not None:
             self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            done, _ = await asyncio.wait({self._task}, timeout=STOP_TIMEOUT_S)
+            if not done:
+                log.warning("replica %s: the campaign did not stop within %.0f s; leaving it behind",
+                            self._record.replica_id, STOP_TIMEOUT_S)
+            elif not self._task.cancelled() and self._task.exception() is not None:
+                log.warning("replica %s: the campaign had failed: %r", self._record.replica_id, self._task.exception())
         if self._keeper is not None:
             await self._keeper.close(revoke=resign)
         self._step_down()
@@ -155,5 +163,5 @@ class LeaderElection:
             for task in (watcher, lost):
                 task.cancel()
             await asyncio.gather(watcher, lost, return_exceptions=True)
-            with contextlib.suppress(aetcd.ClientError):
-                await watch.cancel()
+            with contextlib.suppress(aetcd.ClientError, TimeoutError):
+                await asyncio.wait_for(watch.cancel(), STOP_TIMEOUT_S)

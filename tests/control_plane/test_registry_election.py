@@ -99,3 +99,28 @@ async def test_one_leader_and_a_standby_takes_over_when_it_dies(etcd_server, clu
     assert (await store.read_leader()) == (None, None)
     for client in clients:
         await client.close()
+
+
+async def test_close_returns_in_bounded_time_while_etcd_hangs(etcd_server, cluster_keys):
+    """A frozen etcd (SIGSTOP: connections stay open, nothing answers) must not hang a shutdown:
+    the campaign's cleanup and the lease revocation each give up after their bound."""
+    import os
+    import signal
+
+    from splitserve.control_plane.election import STOP_TIMEOUT_S
+
+    client = connect(etcd_server.endpoint)
+    election = LeaderElection(client, cluster_keys, LeaderRecord("cp-frozen", "127.0.0.1:9100"), TTL_S)
+    await election.start()
+    await asyncio.wait_for(election.wait_until_leader(), 2)
+    pid = etcd_server._process.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        await asyncio.wait_for(election.close(), 2 * STOP_TIMEOUT_S + 5)
+        took = time.monotonic() - start
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert took < STOP_TIMEOUT_S + 2.0 + 1.0  # campaign stop + revoke (2 s) + slack
+    assert not election.is_leader
+    await client.close()
