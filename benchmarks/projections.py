@@ -7,6 +7,9 @@ and replayed; µs per layer (norm included, printed alone too). Llama-3.2-1B sha
 
     qkv [3072, 2048]   o [2048, 2048]   gate_up [16384, 2048]   down [2048, 8192]
 
+A split config (the batch-64 `down`: fp32 partials over K ranges) is timed with the add+RMSNorm
+that sums its partials, and cuBLAS then with the same add+RMSNorm after it (`down+norm`).
+
 Columns: cuBLAS with PDL on and off (the norm's PDL is all that differs), ours with the config
 of `kernels.linear.projection_config` (or, with `--sweep`, the best of a sweep) with PDL on and
 off, and ours ÷ cuBLAS with PDL on — the decision `projection_config` encodes.
@@ -76,11 +79,21 @@ def with_pdl(mode: str, fn, *args, **kwargs):
 
 
 def check(config, rows: int, n: int, k: int) -> None:
-    from splitserve.kernels.linear import decode_linear
+    from splitserve.kernels.linear import decode_linear, decode_linear_partials
 
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    torch.testing.assert_close(decode_linear(x, w, config=config).float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
+    torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def with_norm(rows: int, n: int, project):
+    """`project`, then the add+RMSNorm of the next layer over its [rows, n] result (or partials)."""
+    from splitserve import kernels
+
+    gamma = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+    residual = torch.zeros(rows, n, device="cuda", dtype=torch.bfloat16)
+    return lambda h, w: kernels.rms_norm(project(h, w), gamma, 1e-5, residual=residual)
 
 
 def sweep(rows: int, n: int, k: int):
@@ -103,20 +116,23 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="time ~110 tile configs a case, report the best")
     parser.add_argument("--rows", default="1,64", help="decode batch sizes (rows of x)")
     args = parser.parse_args()
-    from splitserve.kernels.linear import _PROJECTION_CONFIGS, decode_linear
+    from splitserve.kernels.linear import _PROJECTION_CONFIGS, decode_linear, decode_linear_partials
 
-    print(f"{'rows':>4} {'proj':>8} {'norm':>6} {'cuBLAS':>7} {'pdl off':>7} {'ours':>7} {'pdl off':>7} {'ours/cuBLAS':>11}  config")
+    print(f"{'rows':>4} {'proj':>9} {'norm':>6} {'cuBLAS':>7} {'pdl off':>7} {'ours':>7} {'pdl off':>7} {'ours/cuBLAS':>11}  config")
     for rows in (int(r) for r in args.rows.split(",")):
         for kind, (n, k) in SHAPES.items():
             config = sweep(rows, n, k) if args.sweep else _PROJECTION_CONFIGS[kind][rows > 16]
-            ours = None
+            ours, reference, label = None, F.linear, kind
             if config is not None:
                 check(config, rows, n, k)
                 ours = lambda h, w, c=config: decode_linear(h, w, config=c)  # noqa: E731
+                if config.splits > 1:
+                    ours = with_norm(rows, n, lambda h, w, c=config: decode_linear_partials(h, w, c))
+                    reference, label = with_norm(rows, n, F.linear), f"{kind}+norm"
             norm = with_pdl("2", chain_us, rows, n, k, None)
-            cublas = [with_pdl(m, chain_us, rows, n, k, F.linear) for m in ("2", "0")]
+            cublas = [with_pdl(m, chain_us, rows, n, k, reference) for m in ("2", "0")]
             mine = [with_pdl(m, chain_us, rows, n, k, ours) for m in ("2", "0")] if ours else [float("nan")] * 2
-            print(f"{rows:>4} {kind:>8} {norm:>6.2f} {cublas[0]:>7.2f} {cublas[1]:>7.2f} {mine[0]:>7.2f} {mine[1]:>7.2f} "
+            print(f"{rows:>4} {label:>9} {norm:>6.2f} {cublas[0]:>7.2f} {cublas[1]:>7.2f} {mine[0]:>7.2f} {mine[1]:>7.2f} "
                   f"{mine[0] / cublas[0]:>11.2f}  {tuple(config) if config else 'cuBLAS (table)'}", flush=True)
 
 
