@@ -7,8 +7,9 @@ and replayed; µs per layer (norm included, printed alone too). Llama-3.2-1B sha
 
     qkv [3072, 2048]   o [2048, 2048]   gate_up [16384, 2048]   down [2048, 8192]
 
-A split config (the batch-64 `down`: fp32 partials over K ranges) is timed with the add+RMSNorm
-that sums its partials, and cuBLAS then with the same add+RMSNorm after it (`down+norm`).
+Each projection is timed with what consumes its result in the step: `o` and `down` with the
+next add+RMSNorm (which sums a split config's fp32 partials over K ranges), `gate_up` with
+SwiGLU (cuBLAS + `silu_and_mul`; ours does it in the projection's kernel).
 
 Columns: cuBLAS with PDL on and off (the norm's PDL is all that differs), ours with the config
 of `kernels.linear.projection_config` (or, with `--sweep`, the best of a sweep) with PDL on and
@@ -16,6 +17,7 @@ off, and ours ÷ cuBLAS with PDL on — the decision `projection_config` encodes
 
     python benchmarks/projections.py            # the table's configs (~30 s on an H200)
     python benchmarks/projections.py --sweep    # ~110 configs a case (~3 min)
+    python benchmarks/projections.py --sweep --kinds o --rows 64 --grid "bn=16,32 splits=1,2,4"
 """
 
 from __future__ import annotations
@@ -78,13 +80,18 @@ def with_pdl(mode: str, fn, *args, **kwargs):
             os.environ["SPLITSERVE_PDL"] = old
 
 
-def check(config, rows: int, n: int, k: int) -> None:
-    from splitserve.kernels.linear import decode_linear, decode_linear_partials
+def check(kind: str, config, rows: int, n: int, k: int) -> None:
+    from splitserve.kernels.elementwise_reference import silu_and_mul_reference
+    from splitserve.kernels.linear import decode_linear, decode_linear_glu, decode_linear_partials
 
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-    got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
-    torch.testing.assert_close(got.float(), F.linear(x, w).float(), rtol=2e-2, atol=2e-2)
+    if kind == "gate_up":
+        got, want = decode_linear_glu(x, w, config), silu_and_mul_reference(F.linear(x, w))
+    else:
+        got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
+        want = F.linear(x, w)
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def with_norm(rows: int, n: int, project):
@@ -96,43 +103,76 @@ def with_norm(rows: int, n: int, project):
     return lambda h, w: kernels.rms_norm(project(h, w), gamma, 1e-5, residual=residual)
 
 
-def sweep(rows: int, n: int, k: int):
-    from splitserve.kernels.linear import LinearConfig, decode_linear
+def stage(kind: str, rows: int, n: int, config):
+    """`project(h, w)` as the decode step runs it, its consumer included: `o` and `down` with
+    the next add+RMSNorm (which sums a split config's partials), `gate_up` with SwiGLU (ours:
+    in the projection's kernel); config None = cuBLAS."""
+    from splitserve import kernels
+    from splitserve.kernels.linear import decode_linear, decode_linear_glu, decode_linear_partials
+
+    if config is None:
+        project = (lambda h, w: kernels.silu_and_mul(F.linear(h, w))) if kind == "gate_up" else F.linear
+    elif kind == "gate_up":
+        project = lambda h, w: decode_linear_glu(h, w, config)  # noqa: E731
+    elif config.splits > 1:
+        project = lambda h, w: decode_linear_partials(h, w, config)  # noqa: E731
+    else:
+        project = lambda h, w: decode_linear(h, w, config=config)  # noqa: E731
+    return with_norm(rows, n, project) if kind in ("o", "down") else project
+
+
+def parse_grid(text: str) -> dict[str, tuple[int, ...]]:
+    grid = {"bn": (16, 32, 64), "bk": (64, 128, 256, 512), "warps": (2, 4, 8), "stages": (2, 3, 4, 5), "splits": (1,)}
+    for item in text.split():
+        key, _, values = item.partition("=")
+        if key not in grid:
+            raise SystemExit(f"--grid: unknown key {key!r} (keys: {', '.join(grid)})")
+        grid[key] = tuple(int(v) for v in values.split(","))
+    return grid
+
+
+def sweep(kind: str, rows: int, n: int, k: int, grid: dict[str, tuple[int, ...]]):
+    from splitserve.kernels.linear import LinearConfig
 
     found = []
-    for bn, bk, warps, stages in itertools.product((16, 32, 64), (64, 128, 256, 512), (2, 4, 8), (2, 3, 4, 5)):
-        if bn * bk * stages * 2 > 160_000 or (warps == 8 and bn == 16):
+    for bn, bk, warps, stages, splits in itertools.product(*grid.values()):
+        if bn * bk * stages * 2 > 160_000 or (warps == 8 and bn == 16) or (splits > 1 and kind not in ("o", "down")):
             continue
-        config = LinearConfig(bn, bk, warps, stages)
+        config = LinearConfig(bn, bk, warps, stages, splits)
         try:
-            found.append((with_pdl("2", chain_us, rows, n, k, lambda h, w, c=config: decode_linear(h, w, config=c), 5), config))
+            found.append((with_pdl("2", chain_us, rows, n, k, stage(kind, rows, n, config), 5), config))
         except Exception:  # out of shared memory on this GPU
             continue
-    return min(found)[1]
+    found.sort()
+    print(f"  {rows} rows {kind}: best {', '.join(f'{us:.2f} {tuple(c)}' for us, c in found[:4])}", flush=True)
+    return found[0][1]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sweep", action="store_true", help="time ~110 tile configs a case, report the best")
+    parser.add_argument("--sweep", action="store_true", help="time the --grid's tile configs a case, report the best")
+    parser.add_argument("--grid", default="", help='sweep grid, e.g. "bn=16,32 bk=256,512 splits=1,2,4" '
+                        "(keys bn bk warps stages splits; splits > 1 only for o and down)")
     parser.add_argument("--rows", default="1,64", help="decode batch sizes (rows of x)")
+    parser.add_argument("--kinds", default=",".join(SHAPES), help="projections to time")
     args = parser.parse_args()
-    from splitserve.kernels.linear import _PROJECTION_CONFIGS, decode_linear, decode_linear_partials
+    from splitserve.kernels.linear import _PROJECTION_CONFIGS
 
+    grid = parse_grid(args.grid)
     print(f"{'rows':>4} {'proj':>9} {'norm':>6} {'cuBLAS':>7} {'pdl off':>7} {'ours':>7} {'pdl off':>7} {'ours/cuBLAS':>11}  config")
     for rows in (int(r) for r in args.rows.split(",")):
-        for kind, (n, k) in SHAPES.items():
-            config = sweep(rows, n, k) if args.sweep else _PROJECTION_CONFIGS[kind][rows > 16]
-            ours, reference, label = None, F.linear, kind
+        for kind in args.kinds.split(","):
+            n, k = SHAPES[kind]
+            config = sweep(kind, rows, n, k, grid) if args.sweep else _PROJECTION_CONFIGS[kind][rows > 16]
+            label = {"o": "o+norm", "down": "down+norm", "gate_up": "gate_up+act"}.get(kind, kind)
             if config is not None:
-                check(config, rows, n, k)
-                ours = lambda h, w, c=config: decode_linear(h, w, config=c)  # noqa: E731
-                if config.splits > 1:
-                    ours = with_norm(rows, n, lambda h, w, c=config: decode_linear_partials(h, w, c))
-                    reference, label = with_norm(rows, n, F.linear), f"{kind}+norm"
+                check(kind, config, rows, n, k)
             norm = with_pdl("2", chain_us, rows, n, k, None)
-            cublas = [with_pdl(m, chain_us, rows, n, k, reference) for m in ("2", "0")]
-            mine = [with_pdl(m, chain_us, rows, n, k, ours) for m in ("2", "0")] if ours else [float("nan")] * 2
-            print(f"{rows:>4} {label:>9} {norm:>6.2f} {cublas[0]:>7.2f} {cublas[1]:>7.2f} {mine[0]:>7.2f} {mine[1]:>7.2f} "
+            cublas = [with_pdl(m, chain_us, rows, n, k, stage(kind, rows, n, None)) for m in ("2", "0")]
+            mine = [float("nan")] * 2
+            if config is not None:
+                mine = [with_pdl(m, chain_us, rows, n, k, stage(kind, rows, n, config)) for m in ("2", "0")]
+            print(f"{rows:>4} {label:>11} {norm:>6.2f} {cublas[0]:>7.2f} {cublas[1]:>7.2f} {mine[0]:>7.2f} {mine[1]:>7.2f} "
                   f"{mine[0] / cublas[0]:>11.2f}  {tuple(config) if config else 'cuBLAS (table)'}", flush=True)
 
 

@@ -25,6 +25,7 @@ __all__ = [
     "apply_rotary_qk_and_write_kv",
     "argmax_rows",
     "decode_linear",
+    "decode_linear_glu",
     "decode_linear_partials",
     "kv_block_checksums",
     "paged_decode_attention",
@@ -52,6 +53,7 @@ _LAZY = {
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
     "decode_linear": "linear",
+    "decode_linear_glu": "linear",
     "decode_linear_partials": "linear",
     "sample_rows": "sampling",
     "silu_and_mul": "activation",
@@ -65,7 +67,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
-    from .linear import decode_linear, decode_linear_partials
+    from .linear import decode_linear, decode_linear_glu, decode_linear_partials
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention

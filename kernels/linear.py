@@ -27,7 +27,15 @@ import triton.language as tl
 from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, pdl_mode, wait_for_producer
 
-__all__ = ["MAX_ROWS", "LinearConfig", "decode_linear", "decode_linear_partials", "linear_reference", "projection_config"]
+__all__ = [
+    "MAX_ROWS",
+    "LinearConfig",
+    "decode_linear",
+    "decode_linear_glu",
+    "decode_linear_partials",
+    "linear_reference",
+    "projection_config",
+]
 
 MAX_ROWS = 64
 """Most rows (decode tokens) the kernel takes; larger batches are compute-shaped, for cuBLAS."""
@@ -50,8 +58,11 @@ def _linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    GLU: tl.constexpr,
     PDL: tl.constexpr,
 ):
+    """GLU: w holds N gate rows then N up rows; program n reads both tiles of its columns and
+    stores silu(gate) * up, rounded as `silu_and_mul` rounds the unfused product."""
     wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -64,13 +75,25 @@ def _linear_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    if GLU:
+        up_rows = w_rows + N * stride_wn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         cols = k + offs_k
-        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
+        w_mask = mask_n[:, None] & (cols < k_end)[None, :]
+        w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
         x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        if GLU:
+            w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0)
+            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    dtype = out_ptr.dtype.element_ty
+    if GLU:
+        gate = acc.to(dtype).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        acc = act * acc_up.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
 
 
 class LinearConfig(tuple):
@@ -120,7 +143,12 @@ def projection_config(
     unsplit, so there `down` is split over K in 4 (cuBLAS splits it too, then reduces in a kernel of
     its own): its fp32 partials go to the next add+RMSNorm, which sums them (`rms_norm` takes
     them as x); down + reduce + add&norm 15.2-15.5 -> 13.3 (benchmarks/RESULTS.md, 2026-12-03
-    session 13). A split config is for callers that take partials (`decode_linear_partials`).
+    session 13). Session 14 timed each projection with its consumer (`benchmarks/projections.py`):
+    `gate_up` carries SwiGLU in its epilogue (`decode_linear_glu`; with the act, 1 row 21.2 ->
+    19.2, 64 rows 23.2 -> 21.0). Splitting `o` gained nothing at either size; splitting the
+    one-row `down` in 4 won in the chain (with the add&norm 15.3 -> 13.6) but not in the engine
+    (batch-1 replay 0.962 -> 0.966 ms), so the table keeps it whole.
+    A split config is for callers that take partials (`decode_linear_partials`).
     The larger tiles need Hopper's shared memory.
     """
     if rows > MAX_ROWS or kind not in _PROJECTION_CONFIGS or dtype not in (torch.bfloat16, torch.float16):
@@ -142,6 +170,19 @@ def decode_linear(
     return _launch(x, weight, out_dtype, config)
 
 
+def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+    """SwiGLU of a fused gate/up projection in one launch: x [M, K], weight [2I, K] (gate rows
+    first) -> silu(x @ gate^T) * (x @ up^T) [M, I] in x.dtype, rounded as `silu_and_mul` of
+    `decode_linear`'s result (each product rounded, then silu, then the product). A program
+    reads `config.block_n` weight rows, half gate and half up, so a config keeps the tile
+    bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go."""
+    if weight.dim() == 2 and weight.shape[0] % 2:
+        raise ValueError(f"weight must be [2 * I, K], got {tuple(weight.shape)}")
+    if config is not None and config.splits != 1:
+        raise ValueError("decode_linear_glu() takes an unsplit config: silu of partial sums is not their silu")
+    return _launch(x, weight, None, config, glu=True)
+
+
 def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T as fp32 partial sums [S, M, N] over S <= `config.splits` ranges
     of K (fewer where K holds fewer whole tiles): their sum, rounded once, is `decode_linear`'s
@@ -149,11 +190,11 @@ def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: Linear
     return _launch(x, weight, torch.float32, config)
 
 
-def _launch(x, weight, out_dtype, config) -> torch.Tensor:
+def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     rows, k = x.shape
-    n = weight.shape[0]
+    n = weight.shape[0] // 2 if glu else weight.shape[0]
     if rows > MAX_ROWS:
         raise ValueError(f"decode_linear() takes at most {MAX_ROWS} rows, got {rows}")
     check_last_dim_contiguous("x", x)
@@ -161,6 +202,8 @@ def _launch(x, weight, out_dtype, config) -> torch.Tensor:
     if config is None:  # 4-byte operands: half the K tile and fewer stages fit shared memory
         config = LinearConfig() if x.element_size() <= 2 else LinearConfig(block_k=64, num_stages=2)
     block_n, block_k, num_warps, num_stages, splits = config
+    if glu:
+        block_n = max(16, block_n // 2)  # half the tile's rows gate, half up
     block_k = min(block_k, max(16, next_power_of_2(k)))
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
@@ -170,7 +213,7 @@ def _launch(x, weight, out_dtype, config) -> torch.Tensor:
     _linear_kernel[(cdiv(n, block_n), ranges)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
         K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x.device),
     )
     return out

@@ -7,6 +7,7 @@ inside a CUDA graph. This form runs per layer
 
     add+RMSNorm -> qkv GEMM -> rotary(q, k) + write_kv -> attention -> o GEMM
     -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
+                      (one kernel at decode sizes on Hopper)
 
 carrying the residual stream separately (`residual`), so each residual add
 rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
@@ -103,10 +104,21 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
     return attn.ps.all_reduce_tp(_project(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias, "o"))
 
 
+def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the fused gate/up projection: in the projection's own kernel where it
+    runs ours (`kernels.decode_linear_glu`: no [T, 2I] intermediate, one launch less a layer),
+    else cuBLAS then `kernels.silu_and_mul`; the same roundings either way."""
+    if _OWN_PROJECTIONS:
+        config = projection_config("gate_up", x.shape[0], x.device, x.dtype)
+        if config is not None and config.splits == 1:
+            return kernels.decode_linear_glu(x, weight, config)
+    return kernels.silu_and_mul(F.linear(x, weight))
+
+
 def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
     """[T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials [S, T, H] for the
     next layer's add+RMSNorm to sum."""
-    act = kernels.silu_and_mul(_project(x, mlp.gate_up_weight, None, "gate_up"))
+    act = _gate_up_act(x, mlp.gate_up_weight)
     down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
     return mlp.ps.all_reduce_tp(down)
 

@@ -26,8 +26,9 @@ params = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=Tr
 out = {}
 from splitserve.engine.models import fused
 from splitserve.kernels.linear import LinearConfig
-# "fused_own": every projection through our kernel (as on Hopper), the MLP's down projection split
-# over K into partials that the next add+RMSNorm sums; forced here, where none is measured faster
+# "fused_own": every projection through our kernel (as on Hopper), SwiGLU in the gate_up kernel, the
+# MLP's down projection split over K into partials that the next add+RMSNorm sums; forced here,
+# where none is measured faster
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
 for name in ("torch", "triton", "fused", "fused_own"):
@@ -39,13 +40,14 @@ for name in ("torch", "triton", "fused", "fused_own"):
     if name == "fused_own":
         fused.projection_config = lambda kind, rows, device, dtype: OWN[kind]
         launched = []
-        own_launch = fused.kernels.decode_linear_partials
-        fused.kernels.decode_linear_partials = lambda *a: launched.append(1) or own_launch(*a)
+        for fn in ("decode_linear_partials", "decode_linear_glu"):
+            own = getattr(fused.kernels, fn)
+            setattr(fused.kernels, fn, lambda *a, _own=own, _fn=fn: launched.append(_fn) or _own(*a))
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
     if name == "fused_own":
-        assert launched, "the split down projection never ran"
+        assert set(launched) == {"decode_linear_partials", "decode_linear_glu"}, launched
 print(json.dumps(out))
 """
 

@@ -8,7 +8,14 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.kernels.linear import LinearConfig, decode_linear, decode_linear_partials, linear_reference  # noqa: E402
+from splitserve.kernels.elementwise_reference import silu_and_mul_reference  # noqa: E402
+from splitserve.kernels.linear import (  # noqa: E402
+    LinearConfig,
+    decode_linear,
+    decode_linear_glu,
+    decode_linear_partials,
+    linear_reference,
+)
 
 
 @pytest.mark.parametrize(
@@ -64,6 +71,9 @@ def test_every_projection_config_of_the_table_computes_the_product(kind, rows, d
     w = (0.1 * torch.randn(70, 600, generator=g)).half().to(device)
     got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
     torch.testing.assert_close(got.float(), linear_reference(x, w).float(), rtol=1e-2, atol=1e-2)
+    if kind == "gate_up":  # the step runs this config as SwiGLU in the projection's epilogue
+        got = decode_linear_glu(x, w, config)
+        torch.testing.assert_close(got.float(), silu_and_mul_reference(linear_reference(x, w)).float(), rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("k,splits,ranges", [(256, 4, 4), (300, 4, 3), (64, 4, 1)])
@@ -90,3 +100,22 @@ def test_projections_stay_on_cublas_without_programmatic_dependent_launch(monkey
         monkeypatch.setenv("SPLITSERVE_PDL", "2")
         assert projection_config("qkv", 65, cuda) is None  # past MAX_ROWS: a prefill, cuBLAS's
         assert projection_config("bogus", 1, cuda) is None
+
+
+@pytest.mark.parametrize("rows,inter,k,config", [(1, 48, 128, LinearConfig(32, 64)), (9, 70, 96, LinearConfig(64, 32, 4, 2))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_glu_is_silu_and_mul_of_the_projection(rows, inter, k, config, dtype, device):
+    """SwiGLU in the projection's epilogue: the gate and up halves of each tile, rounded as the
+    unfused silu_and_mul(projection) rounds them; I not a multiple of the half tile."""
+    g = torch.Generator().manual_seed(inter)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+    w = (0.1 * torch.randn(2 * inter, k, generator=g)).to(dtype).to(device)
+    got = decode_linear_glu(x, w, config)
+    want = silu_and_mul_reference(linear_reference(x, w))
+    assert got.shape == (rows, inter) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="unsplit"):
+        decode_linear_glu(x, w, LinearConfig(32, 64, splits=2))
+    with pytest.raises(ValueError, match="2 \\* I"):
+        decode_linear_glu(x, w[1:], config)
