@@ -79,13 +79,17 @@ def _project(
     measured faster (`kernels.linear.projection_config`); same fp32 accumulation, one rounding.
     `partials`: the caller also takes fp32 split-K partials [S, T, N] (a split config's result,
     summed and rounded by the next add+RMSNorm)."""
-    if _OWN_PROJECTIONS and bias is None:
-        config = projection_config(kind, x.shape[0], x.device, x.dtype)
-        if config is not None and config.splits == 1:
-            return kernels.decode_linear(x, weight, config=config)
-        if config is not None and partials:
-            return kernels.decode_linear_partials(x, weight, config)
+    config = _own_config(kind, x) if bias is None else None
+    if config is not None and config.splits == 1:
+        return kernels.decode_linear(x, weight, config=config)
+    if config is not None and partials:
+        return kernels.decode_linear_partials(x, weight, config)
     return F.linear(x, weight, bias)
+
+
+def _own_config(kind: str, x: torch.Tensor):
+    """`projection_config` for this projection of x, unless `SPLITSERVE_DECODE_GEMM=0`."""
+    return projection_config(kind, x.shape[0], x.device, x.dtype) if _OWN_PROJECTIONS else None
 
 
 def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -108,10 +112,9 @@ def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused gate/up projection: in the projection's own kernel where it
     runs ours (`kernels.decode_linear_glu`: no [T, 2I] intermediate, one launch less a layer),
     else cuBLAS then `kernels.silu_and_mul`; the same roundings either way."""
-    if _OWN_PROJECTIONS:
-        config = projection_config("gate_up", x.shape[0], x.device, x.dtype)
-        if config is not None and config.splits == 1:
-            return kernels.decode_linear_glu(x, weight, config)
+    config = _own_config("gate_up", x)
+    if config is not None and config.splits == 1:
+        return kernels.decode_linear_glu(x, weight, config)
     return kernels.silu_and_mul(F.linear(x, weight))
 
 
