@@ -27,6 +27,7 @@ __all__ = [
     "decode_linear",
     "decode_linear_glu",
     "decode_linear_partials",
+    "decode_qkv_rotary",
     "kv_block_checksums",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -55,6 +56,7 @@ _LAZY = {
     "decode_linear": "linear",
     "decode_linear_glu": "linear",
     "decode_linear_partials": "linear",
+    "decode_qkv_rotary": "qkv_rotary",
     "sample_rows": "sampling",
     "silu_and_mul": "activation",
     "selective_state_update": "ssm_state_update",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention
+    from .qkv_rotary import decode_qkv_rotary
     from .rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv
     from .sampling import sample_rows
     from .ssd_scan import ssd_chunk_scan

@@ -42,6 +42,29 @@ MAX_ROWS = 64
 
 
 @triton.jit
+def stream_weight_tile(x_rows, w_rows, mask_m, mask_n, k_start, k_end,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
+    (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
+    every kernel here."""
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        cols = k + offs_k
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
+        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    return acc
+
+
+@triton.jit
+def split_halves(acc, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr):
+    """acc [BLOCK_M, 2 * HALF_N] -> its first and second HALF_N columns."""
+    return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
+
+
+@triton.jit
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -61,39 +84,38 @@ def _linear_kernel(
     GLU: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """GLU: w holds N gate rows then N up rows; program n reads both tiles of its columns and
-    stores silu(gate) * up, rounded as `silu_and_mul` rounds the unfused product."""
+    """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
+    the matching up rows (one tile: two tiles of half the rows, streamed as a pair, were ~0.5 µs
+    a layer slower on an H200), and it stores silu(gate) * up, rounded as `silu_and_mul` rounds
+    the unfused product."""
     wait_for_producer(PDL)
+    HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
-    mask_n = offs_n < N
+    if GLU:
+        r = tl.arange(0, BLOCK_N)
+        cols_n = tl.program_id(0) * HALF_N + r % HALF_N
+        tile_rows = cols_n + (r // HALF_N) * N
+        offs_n = tl.program_id(0) * HALF_N + tl.arange(0, HALF_N)
+    else:
+        cols_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tile_rows = cols_n
+        offs_n = cols_n
     x_rows = x_ptr + offs_m[:, None] * stride_xm
-    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    w_rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
     split = tl.program_id(1)  # program (n, s) sums K range s (one range, the whole K, unless split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    if GLU:
-        up_rows = w_rows + N * stride_wn
-        acc_up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
-        cols = k + offs_k
-        w_mask = mask_n[:, None] & (cols < k_end)[None, :]
-        w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
-        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if GLU:
-            w_up = tl.load(up_rows + cols[None, :], mask=w_mask, other=0.0)
-            acc_up = tl.dot(x, tl.trans(w_up), acc_up, input_precision=DOT_PRECISION)
+    acc = stream_weight_tile(x_rows, w_rows, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                             DOT_PRECISION)
     dtype = out_ptr.dtype.element_ty
     if GLU:
-        gate = acc.to(dtype).to(tl.float32)
+        acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
+        gate = acc_gate.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
 class LinearConfig(tuple):
@@ -147,7 +169,10 @@ def projection_config(
     `gate_up` carries SwiGLU in its epilogue (`decode_linear_glu`; with the act, 1 row 21.2 ->
     19.2, 64 rows 23.2 -> 21.0). Splitting `o` gained nothing at either size; splitting the
     one-row `down` in 4 won in the chain (with the add&norm 15.3 -> 13.6) but not in the engine
-    (batch-1 replay 0.962 -> 0.966 ms), so the table keeps it whole.
+    (batch-1 replay 0.962 -> 0.966 ms), so the table keeps it whole. Session 15: `qkv` carries
+    rotary and the KV write in its epilogue (`kernels.qkv_rotary`; with them, 1 row 8.1 -> 7.7,
+    64 rows 9.9-10.1 -> 8.9), and a paired kernel streams one gathered tile rather than two half
+    tiles (SwiGLU 1 row 19.4 -> 18.7, 64 rows 21.0 -> 20.6).
     A split config is for callers that take partials (`decode_linear_partials`).
     The larger tiles need Hopper's shared memory.
     """
@@ -203,14 +228,14 @@ def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
         config = LinearConfig() if x.element_size() <= 2 else LinearConfig(block_k=64, num_stages=2)
     block_n, block_k, num_warps, num_stages, splits = config
     if glu:
-        block_n = max(16, block_n // 2)  # half the tile's rows gate, half up
+        block_n = max(32, block_n)  # half the tile's rows gate, half up; each half a dot's 16 columns at least
     block_k = min(block_k, max(16, next_power_of_2(k)))
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
     out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
     if rows == 0:
         return out
-    _linear_kernel[(cdiv(n, block_n), ranges)](
+    _linear_kernel[(cdiv(n, block_n // 2 if glu else block_n), ranges)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
         K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), GLU=glu, num_warps=num_warps, num_stages=num_stages,

@@ -6,6 +6,7 @@ gate/up GEMMs); on an H200 their launch gaps, not HBM, bound the step even
 inside a CUDA graph. This form runs per layer
 
     add+RMSNorm -> qkv GEMM -> rotary(q, k) + write_kv -> attention -> o GEMM
+                   (one kernel at decode sizes on Hopper)
     -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
                       (one kernel at decode sizes on Hopper)
 
@@ -94,17 +95,23 @@ def _own_config(kind: str, x: torch.Tensor):
 
 def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
     t, d = x.shape[0], attn.head_dim
-    qkv = _project(x, attn.qkv_weight, attn.qkv_bias, "qkv")
-    nq, nk = attn.num_heads * d, attn.num_kv_heads * d
-    q = qkv[:, :nq].view(t, attn.num_heads, d)
-    k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
-    v = qkv[:, nq + nk :].view(t, attn.num_kv_heads, d)
-    if meta.backend in TRITON_KERNEL_BACKENDS:  # rotary and the KV write in one launch
-        kernels.apply_rotary_qk_and_write_kv(q, k, v, cos, sin, kv, meta.slot_mapping)
+    triton_kv = meta.backend in TRITON_KERNEL_BACKENDS
+    config = _own_config("qkv", x) if triton_kv and attn.qkv_bias is None else None
+    if config is not None and config.splits == 1:  # projection, rotary and the KV write: one launch
+        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
-        kernels.apply_rotary_qk(q, k, cos, sin)
-        o = paged_attention(q, k, v, kv, meta, attn.scale)
+        qkv = _project(x, attn.qkv_weight, attn.qkv_bias, "qkv")
+        nq, nk = attn.num_heads * d, attn.num_kv_heads * d
+        q = qkv[:, :nq].view(t, attn.num_heads, d)
+        k = qkv[:, nq : nq + nk].view(t, attn.num_kv_heads, d)
+        v = qkv[:, nq + nk :].view(t, attn.num_kv_heads, d)
+        if triton_kv:  # rotary and the KV write in one launch
+            kernels.apply_rotary_qk_and_write_kv(q, k, v, cos, sin, kv, meta.slot_mapping)
+            o = triton_attention_written(q, kv, meta, attn.scale)
+        else:
+            kernels.apply_rotary_qk(q, k, cos, sin)
+            o = paged_attention(q, k, v, kv, meta, attn.scale)
     return attn.ps.all_reduce_tp(_project(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias, "o"))
 
 

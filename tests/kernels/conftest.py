@@ -27,6 +27,7 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.rotary",
     "splitserve.kernels.activation",
     "splitserve.kernels.linear",
+    "splitserve.kernels.qkv_rotary",
     "splitserve.kernels.argmax",
     "splitserve.kernels.kv_checksum",
     "splitserve.kernels.sampling",

@@ -1,0 +1,79 @@
+"""The qkv projection with rotary and the KV write in its epilogue (kernels/qkv_rotary.py)
+against the unfused torch reference: projection, rotate_half rotary, scatter into the cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from splitserve.kernels.elementwise_reference import rotary_reference  # noqa: E402
+from splitserve.kernels.linear import LinearConfig, linear_reference  # noqa: E402
+from splitserve.kernels.qkv_rotary import decode_qkv_rotary  # noqa: E402
+from splitserve.kernels.reference import write_kv_reference  # noqa: E402
+
+
+def _case(rows, hq, hk, d, k, dtype, device, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+    w = (0.1 * torch.randn((hq + 2 * hk) * d, k, generator=g)).to(dtype).to(device)
+    angles = torch.rand(rows, d // 2, generator=g) * 6.0
+    cos = torch.cat([angles.cos()] * 2, dim=-1).to(dtype).to(device)
+    sin = torch.cat([angles.sin()] * 2, dim=-1).to(dtype).to(device)
+    kv = torch.randn(2, 6, hk, 4, d, generator=g).to(dtype).to(device)
+    slots = torch.randperm(24, generator=g)[:rows].to(device)
+    if rows > 1:
+        slots[1] = -1  # a padding row of a graph batch: its cache slot stays untouched
+    return x, w, cos, sin, kv, slots
+
+
+def _reference(x, w, cos, sin, kv, slots, hq, hk, d):
+    qkv = linear_reference(x, w)
+    q = qkv[:, : hq * d].reshape(-1, hq, d)
+    k = qkv[:, hq * d : (hq + hk) * d].reshape(-1, hk, d)
+    v = qkv[:, (hq + hk) * d :].reshape(-1, hk, d)
+    kv = kv.clone()
+    write_kv_reference(kv, rotary_reference(k, cos, sin), v, slots)
+    return rotary_reference(q, cos, sin), kv
+
+
+@pytest.mark.parametrize(
+    "rows,hq,hk,d,k,config",
+    [
+        (1, 4, 2, 16, 64, LinearConfig(32, 32)),  # GQA, one row
+        (7, 2, 1, 48, 96, LinearConfig(32, 64, 4, 2)),  # head_dim 48: pairs straddle heads and q / k / v
+        (20, 4, 4, 32, 80, None),  # K not a multiple of the tile, 17..64 rows
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_qkv_rotary_matches_the_unfused_steps(rows, hq, hk, d, k, config, dtype, device):
+    x, w, cos, sin, kv, slots = _case(rows, hq, hk, d, k, dtype, device, seed=rows * d + k)
+    want_q, want_kv = _reference(x, w, cos, sin, kv, slots, hq, hk, d)
+    got_kv = kv.clone()
+    got_q = decode_qkv_rotary(x, w, cos, sin, got_kv, slots, hq, config)
+    assert got_q.shape == (rows, hq, d) and got_q.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(got_kv.float(), want_kv.float(), rtol=tol, atol=tol)
+    if rows > 1:  # the padding row wrote nothing: every slot but the written ones is as it was
+        written = torch.zeros(kv.shape[1] * kv.shape[3], dtype=torch.bool)
+        written[slots[slots >= 0].cpu()] = True
+        keep = ~written.view(kv.shape[1], kv.shape[3])
+        assert torch.equal(got_kv.permute(0, 1, 3, 2, 4)[:, keep], kv.permute(0, 1, 3, 2, 4)[:, keep])
+
+
+def test_qkv_rotary_rejects_what_does_not_fit(device):
+    x, w, cos, sin, kv, slots = _case(3, 4, 2, 16, 64, torch.float32, device, seed=1)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_qkv_rotary(x, w[1:], cos, sin, kv, slots, 4)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_qkv_rotary(x, w, cos, sin, kv, slots, 3)
+    with pytest.raises(ValueError, match="cos"):
+        decode_qkv_rotary(x, w, cos[:2], sin, kv, slots, 4)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        decode_qkv_rotary(x, w, cos, sin, kv, slots[:2], 4)
+    with pytest.raises(ValueError, match="unsplit"):
+        decode_qkv_rotary(x, w, cos, sin, kv, slots, 4, LinearConfig(32, 32, splits=2))
+    with pytest.raises(ValueError, match="kv must be"):
+        decode_qkv_rotary(x, w, cos, sin, kv[0], slots, 4)
