@@ -37,6 +37,18 @@ def num_sms(device: torch.device) -> int:
     return _cuda_num_sms(device.index if device.index is not None else torch.cuda.current_device())
 
 
+@functools.cache
+def _cuda_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def cuda_major(device: torch.device) -> int:
+    """The compute capability's major version of a CUDA device (9 = Hopper), 0 off CUDA."""
+    if device.type != "cuda":
+        return 0
+    return _cuda_capability(device.index if device.index is not None else torch.cuda.current_device())[0]
+
+
 def dot_precision(dtype: torch.dtype) -> str:
     """fp32 inputs must not be rounded to tf32 (the fp32 engine path is a parity
     reference); fp16/bf16 ignore the setting."""

@@ -15,12 +15,13 @@ Triton's interpreter (the CPU tests), where the constexpr switch compiles the wa
 
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
+
+from ._common import cuda_major
 
 try:  # Triton >= 3.3
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -28,11 +29,10 @@ except ImportError:  # pragma: no cover - older Triton: PDL stays off
     gdc_wait = gdc_launch_dependents = None
 
 
-@functools.cache
-def _capable(index: int) -> bool:
+def _capable(device: torch.device) -> bool:
     """An NVIDIA GPU of compute capability 9.0+ (ROCm reports its gfx version as the capability:
     MI300 would read 9.4, and AMD has no griddepcontrol)."""
-    return gdc_wait is not None and torch.version.hip is None and torch.cuda.get_device_capability(index)[0] >= 9
+    return gdc_wait is not None and torch.version.hip is None and cuda_major(device) >= 9
 
 
 def pdl_mode(device: torch.device) -> int:
@@ -43,7 +43,7 @@ def pdl_mode(device: torch.device) -> int:
     if device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") in ("1", "true"):
         return 0
     mode = int(setting)
-    return mode if mode and _capable(device.index if device.index is not None else torch.cuda.current_device()) else 0
+    return mode if mode and _capable(device) else 0
 
 
 def pdl_launch(device: torch.device) -> dict:

@@ -18,13 +18,11 @@ the previous kernel's drain is what wins (`projection_config`).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
+from ._common import cdiv, check_last_dim_contiguous, cuda_major, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, pdl_mode, wait_for_producer
 
 __all__ = [
@@ -133,11 +131,6 @@ class LinearConfig(tuple):
         return self[4]
 
 
-@functools.cache
-def _is_hopper(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] == 9
-
-
 _PROJECTION_CONFIGS = {
     # kind: (config for <= 16 rows, config for 17..64 rows; None = cuBLAS)
     "qkv": (LinearConfig(32, 512, 2, 4), LinearConfig(32, 256, 4, 4)),
@@ -180,7 +173,7 @@ def projection_config(
         return None
     if pdl_mode(device) == 0:
         return None
-    if not _is_hopper(device.index if device.index is not None else torch.cuda.current_device()):
+    if cuda_major(device) != 9:  # Hopper: where the table was measured
         return None
     return _PROJECTION_CONFIGS[kind][rows > 16]
 
