@@ -7,9 +7,11 @@ and replayed; µs per layer (norm included, printed alone too). Llama-3.2-1B sha
 
     qkv [3072, 2048]   o [2048, 2048]   gate_up [16384, 2048]   down [2048, 8192]
 
-Each projection is timed with what consumes its result in the step: `o` and `down` with the
-next add+RMSNorm (which sums a split config's fp32 partials over K ranges), `gate_up` with
-SwiGLU (cuBLAS + `silu_and_mul`; ours does it in the projection's kernel).
+Each projection is timed with what consumes its result in the step: `qkv` with rotary and the
+KV write (cuBLAS + `apply_rotary_qk_and_write_kv`; ours does them in the projection's kernel,
+`decode_qkv_rotary`), `o` and `down` with the next add+RMSNorm (which sums a split config's fp32
+partials over K ranges), `gate_up` with SwiGLU (cuBLAS + `silu_and_mul`; ours does it in the
+projection's kernel).
 
 Columns: cuBLAS with PDL on and off (the norm's PDL is all that differs), ours with the config
 of `kernels.linear.projection_config` (or, with `--sweep`, the best of a sweep) with PDL on and
@@ -80,6 +82,35 @@ def with_pdl(mode: str, fn, *args, **kwargs):
             os.environ["SPLITSERVE_PDL"] = old
 
 
+# Llama-3.2-1B attention: q / kv heads of 64 dims (qkv rows = (32 + 2 * 8) * 64), a 16-token page
+HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 64, 16
+
+
+class RotaryInputs:
+    """cos / sin rows, a KV cache and distinct slots for `rows` decode tokens."""
+
+    def __init__(self, rows: int):
+        self.cos = torch.randn(rows, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.sin = torch.randn(rows, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.kv = torch.zeros(2, 4 * rows, KV_HEADS, PAGE, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        self.slots = torch.arange(rows, device="cuda") * (3 * PAGE + 1)
+
+    def unfused(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Rotary + the KV write of a qkv projection's result (the kernel after cuBLAS); q."""
+        from splitserve import kernels
+
+        q = qkv[:, : HEADS * HEAD_DIM].view(-1, HEADS, HEAD_DIM)
+        k = qkv[:, HEADS * HEAD_DIM : (HEADS + KV_HEADS) * HEAD_DIM].view(-1, KV_HEADS, HEAD_DIM)
+        v = qkv[:, (HEADS + KV_HEADS) * HEAD_DIM :].view(-1, KV_HEADS, HEAD_DIM)
+        kernels.apply_rotary_qk_and_write_kv(q, k, v, self.cos, self.sin, self.kv, self.slots)
+        return q
+
+    def fused(self, x: torch.Tensor, w: torch.Tensor, config) -> torch.Tensor:
+        from splitserve import kernels
+
+        return kernels.decode_qkv_rotary(x, w, self.cos, self.sin, self.kv, self.slots, HEADS, config)
+
+
 def check(kind: str, config, rows: int, n: int, k: int) -> None:
     from splitserve.kernels.elementwise_reference import silu_and_mul_reference
     from splitserve.kernels.linear import decode_linear, decode_linear_glu, decode_linear_partials
@@ -88,6 +119,11 @@ def check(kind: str, config, rows: int, n: int, k: int) -> None:
     w = 0.02 * torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
     if kind == "gate_up":
         got, want = decode_linear_glu(x, w, config), silu_and_mul_reference(F.linear(x, w))
+    elif kind == "qkv":
+        ours, theirs = RotaryInputs(rows), RotaryInputs(rows)
+        theirs.cos, theirs.sin = ours.cos, ours.sin
+        got, want = ours.fused(x, w, config), theirs.unfused(F.linear(x, w))
+        torch.testing.assert_close(ours.kv.float(), theirs.kv.float(), rtol=2e-2, atol=2e-2)
     else:
         got = decode_linear(x, w, config=config) if config.splits == 1 else decode_linear_partials(x, w, config).sum(0)
         want = F.linear(x, w)
@@ -104,14 +140,19 @@ def with_norm(rows: int, n: int, project):
 
 
 def stage(kind: str, rows: int, n: int, config):
-    """`project(h, w)` as the decode step runs it, its consumer included: `o` and `down` with
-    the next add+RMSNorm (which sums a split config's partials), `gate_up` with SwiGLU (ours:
-    in the projection's kernel); config None = cuBLAS."""
+    """`project(h, w)` as the decode step runs it, its consumer included: `qkv` with rotary and
+    the KV write, `o` and `down` with the next add+RMSNorm (which sums a split config's
+    partials), `gate_up` with SwiGLU (ours: both in the projection's kernel); config None = cuBLAS."""
     from splitserve import kernels
     from splitserve.kernels.linear import decode_linear, decode_linear_glu, decode_linear_partials
 
+    rotary = RotaryInputs(rows) if kind == "qkv" else None
     if config is None:
         project = (lambda h, w: kernels.silu_and_mul(F.linear(h, w))) if kind == "gate_up" else F.linear
+        if rotary is not None:
+            project = lambda h, w: rotary.unfused(F.linear(h, w))  # noqa: E731
+    elif rotary is not None:
+        project = lambda h, w: rotary.fused(h, w, config)  # noqa: E731
     elif kind == "gate_up":
         project = lambda h, w: decode_linear_glu(h, w, config)  # noqa: E731
     elif config.splits > 1:
@@ -164,7 +205,7 @@ def main() -> None:
         for kind in args.kinds.split(","):
             n, k = SHAPES[kind]
             config = sweep(kind, rows, n, k, grid) if args.sweep else _PROJECTION_CONFIGS[kind][rows > 16]
-            label = {"o": "o+norm", "down": "down+norm", "gate_up": "gate_up+act"}.get(kind, kind)
+            label = {"qkv": "qkv+rope", "o": "o+norm", "down": "down+norm", "gate_up": "gate_up+act"}.get(kind, kind)
             if config is not None:
                 check(kind, config, rows, n, k)
             norm = with_pdl("2", chain_us, rows, n, k, None)
