@@ -18,6 +18,8 @@ the previous kernel's drain is what wins (`projection_config`).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -40,15 +42,38 @@ MAX_ROWS = 64
 
 
 @triton.jit
-def stream_weight_tile(x_rows, w_rows, mask_m, mask_n, k_start, k_end,
+def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                      EARLY: tl.constexpr):
+    """The wait for the previous kernel (`wait_for_producer`); EARLY: the program's first weight
+    tile [BLOCK_N, BLOCK_K] is loaded before it and returned — no kernel of a step writes
+    weights, so under programmatic dependent launch its DRAM latency overlaps the previous
+    kernel's drain instead of following it (else 0, unused)."""
+    if EARLY:
+        cols = k_start + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
+        wait_for_producer(PDL)
+        return w
+    else:
+        wait_for_producer(PDL)
+        return 0
+
+
+@triton.jit
+def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr):
     """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
     (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
-    every kernel here."""
+    every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    k_loop = k_start
+    if EARLY:
+        x = tl.load(x_rows + (k_start + offs_k)[None, :], mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :],
+                    other=0.0)
+        acc = tl.dot(x, tl.trans(w_first), acc, input_precision=DOT_PRECISION)
+        k_loop = k_start + BLOCK_K
+    for k in range(k_loop, k_end, BLOCK_K):
         cols = k + offs_k
         w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
         x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
@@ -80,13 +105,13 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     GLU: tl.constexpr,
+    EARLY: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
     the matching up rows (one tile: two tiles of half the rows, streamed as a pair, were ~0.5 µs
     a layer slower on an H200), and it stores silu(gate) * up, rounded as `silu_and_mul` rounds
     the unfused product."""
-    wait_for_producer(PDL)
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -104,8 +129,9 @@ def _linear_kernel(
     split = tl.program_id(1)  # program (n, s) sums K range s (one range, the whole K, unless split)
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
-    acc = stream_weight_tile(x_rows, w_rows, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_PRECISION)
+    w_first = first_weight_tile(w_rows, cols_n < N, k_start, k_end, BLOCK_K, PDL, EARLY)
+    acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                             DOT_PRECISION, EARLY)
     dtype = out_ptr.dtype.element_ty
     if GLU:
         acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
@@ -114,6 +140,16 @@ def _linear_kernel(
         acc = act * acc_up.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & (offs_n < N)[None, :])
+
+
+def early_weights(splits: int) -> bool:
+    """Whether programs load their first weight tile before the PDL wait (`first_weight_tile`):
+    for configs split over K, whose programs stream a K range each, so that tile is a larger
+    share of their weights. On an H200 (benchmarks/RESULTS.md, 2026-12-04) it made the split
+    64-row `down` projection faster (17.7 -> 16.7 µs a layer with its add&norm) and every unsplit
+    projection slower (e.g. 64-row gate_up + SwiGLU 20.8 -> 24.3). `SPLITSERVE_EARLY_WEIGHTS=0`
+    turns it off (an A/B switch for benchmarks)."""
+    return splits > 1 and os.environ.get("SPLITSERVE_EARLY_WEIGHTS", "1") != "0"
 
 
 class LinearConfig(tuple):
@@ -226,12 +262,14 @@ def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
     out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    early = early_weights(ranges)
     if rows == 0:
         return out
     _linear_kernel[(cdiv(n, block_n // 2 if glu else block_n), ranges)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
         K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, num_warps=num_warps, num_stages=num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, num_warps=num_warps,
+        num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
         **pdl_launch(x.device),
     )
     return out

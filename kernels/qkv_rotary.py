@@ -60,8 +60,9 @@ def _qkv_rotary_kernel(
     tile_pairs = tl.program_id(0) * BLOCK_P + r % BLOCK_P
     tile_rows = (tile_pairs // HALF) * 2 * HALF + tile_pairs % HALF + (r // BLOCK_P) * HALF
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
-    acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, mask_m,
-                             tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K, DOT_PRECISION)
+    acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
+                             tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
+                             DOT_PRECISION, False)  # waited for the producer at the top
     acc_lo, acc_hi = split_halves(acc, BLOCK_M, BLOCK_P)
     dtype = q_ptr.dtype.element_ty
     a1 = acc_lo.to(dtype).to(tl.float32)
