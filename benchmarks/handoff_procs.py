@@ -43,11 +43,12 @@ def _host(shape, dtype) -> torch.Tensor:
     return huge_page_empty(shape, dtype)
 
 
-def pool(num_blocks: int, heads: int, device: str) -> list[torch.Tensor]:
+def pool(num_blocks: int, heads: int, device: str) -> tuple[torch.Tensor, ...]:
+    """A tuple of layers, as the engine holds its pool (engine/kv_cache.py)."""
     shape = (2, num_blocks, heads, BLOCK, HEAD_DIM)
     if device == "cuda":
-        return [torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(LAYERS)]
-    return [_host(shape, torch.bfloat16).copy_(torch.randn(shape)) for _ in range(LAYERS)]
+        return tuple(torch.randn(shape, device=device).to(torch.bfloat16) for _ in range(LAYERS))
+    return tuple(_host(shape, torch.bfloat16).copy_(torch.randn(shape)) for _ in range(LAYERS))
 
 
 def make(kind: str, pack_arena_bytes: int = 0):

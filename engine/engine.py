@@ -207,7 +207,7 @@ class Engine:
         return held is not None
 
     @property
-    def kv_caches(self) -> list[torch.Tensor]:
+    def kv_caches(self) -> tuple[torch.Tensor, ...]:
         return self.runner.kv_caches
 
     # ------------------------------------------------------------------ step

@@ -47,11 +47,13 @@ def allocate_kv_caches(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
-) -> list[torch.Tensor]:
+) -> tuple[torch.Tensor, ...]:
     """Zeroed KV tensors, one per local layer. Zeroed, not `empty`: masked-out
     padding still enters the dot products, and a NaN there would poison them. On the CPU they
-    ask for transparent huge pages: other processes read them (host_memory.py says why)."""
+    ask for transparent huge pages: other processes read them (host_memory.py says why). A
+    tuple: the pool's layer list never changes, and a GPU handoff trusts a tuple's identity
+    (engine/transfer/graph_copy.py::PoolPairKeys)."""
     shape = (2, num_blocks, num_kv_heads, block_size, head_dim)
     if torch.device(device).type == "cpu":
-        return [huge_page_zeros(shape, dtype) for _ in range(num_layers)]
-    return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return tuple(huge_page_zeros(shape, dtype) for _ in range(num_layers))
+    return tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers))

@@ -19,6 +19,7 @@ import torch
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.fused import fuse_projections
 from splitserve.engine.models.loader import load_weights
+from splitserve.engine.transfer.graph_copy import forget_pools
 
 
 def suspend(engine) -> None:
@@ -33,6 +34,7 @@ def suspend(engine) -> None:
         engine.runner.graphs.reset()
     for kv in engine.kv_caches:
         kv.untyped_storage().resize_(0)
+    forget_pools()  # copy graphs baked in the freed addresses
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     engine.is_suspended = True
@@ -43,6 +45,7 @@ def resume(engine) -> None:
         # A CPU pool may be a view into a huge-page-aligned allocation (engine/host_memory.py).
         kv.untyped_storage().resize_((kv.storage_offset() + kv.numel()) * kv.element_size())
         kv.zero_()
+    forget_pools()  # the same tensor objects, new memory: no remembered pool pair may stand for them
     engine.is_suspended = False
 
 

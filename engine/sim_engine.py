@@ -142,7 +142,7 @@ class SimRunner:
         self.dtype = dtype
         """KV dtype the simulated cache would have (`engine_layout` reads it)."""
         self.num_blocks = num_blocks
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: tuple[torch.Tensor, ...] = ()
         self.graphs = None
         """No CUDA graphs to reset (engine/lifecycle.py asks)."""
         self.states = None
@@ -269,7 +269,7 @@ class SimEngine:
         never equal to a real engine's `model_fingerprint`, so a real decode worker refuses our handoffs."""
 
     @property
-    def kv_caches(self) -> list[torch.Tensor]:
+    def kv_caches(self) -> tuple[torch.Tensor, ...]:
         return self.runner.kv_caches  # always empty: there is no KV memory
 
     # The real engine's request lifecycle, verbatim (see the class docstring).

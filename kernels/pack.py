@@ -15,9 +15,10 @@ copies a [ROWS, row] tile — ROWS consecutive blocks of one run — in CHUNK-wi
 Why runs and not one id per block: a prompt's blocks mostly come in long runs, and a run table
 of a few rows is what the host builds and copies per handoff (a list of 512 ids cost ~40-100 µs
 of host time at 8k tokens on the H200, against ~140 µs for the copy itself); one run goes as three
-scalars, with no table at all. Why 8 x 2048 tiles with 16 warps: best of eight configurations on the
-H200, 88-93% of a same-size device memcpy in GPU time at 8k tokens and 95-96% at 32k
-(benchmarks/RESULTS.md). Host time is the rest of a handoff's cost, so the per-pool work (checks,
+scalars, with no table at all. Why 2 x 2048 tiles with 16 warps: best or within 1% of the best of a
+60-configuration sweep on the H200 at 1k and 8k tokens, whole blocks and half the heads: 94-98% of a
+same-size device memcpy in GPU time, where the earlier 8 x 2048 tiles gave 90-97% (benchmarks/RESULTS.md,
+2026-12-04 session 16). Host time is the rest of a handoff's cost, so the per-pool work (checks,
 layer offsets, specialisation keys) is cached in `_pair` and the launch skips Triton's per-call
 binding (`_launch.FastLaunch`).
 """
@@ -35,7 +36,7 @@ from .pack_reference import copy_head_blocks_reference
 __all__ = ["copy_head_block_runs", "copy_head_blocks_reference"]
 
 _MAX_CHUNK = 2048
-_MAX_ROWS = 8
+_MAX_ROWS = 2
 _NUM_WARPS = 16
 
 

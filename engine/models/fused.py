@@ -27,7 +27,7 @@ keeps the unfused modules, the numerical reference of the tests.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +138,7 @@ def fused_layers_forward(
     hidden: torch.Tensor,
     cos,
     sin,
-    kv_caches: list[torch.Tensor],
+    kv_caches: Sequence[torch.Tensor],
     meta: AttentionMetadata,
     after_layer: Callable[[int], None] | None = None,
 ) -> torch.Tensor:

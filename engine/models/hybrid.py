@@ -15,6 +15,8 @@ attention layers, its state tensors those of its mamba layers, in layer order.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -94,7 +96,7 @@ class HybridCausalLM(nn.Module):
         self,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[torch.Tensor],
         input_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         mamba_meta: MambaMetadata | None = None,

@@ -11,7 +11,7 @@ Shapes use a flat token batch: T tokens of several sequences, hidden [T, hidden]
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -134,7 +134,7 @@ class CausalLM(nn.Module):
         self,
         positions: torch.Tensor,
         meta: AttentionMetadata,
-        kv_caches: list[torch.Tensor],
+        kv_caches: Sequence[torch.Tensor],
         input_ids: torch.Tensor | None = None,
         hidden: torch.Tensor | None = None,
         after_layer: Callable[[int], None] | None = None,

@@ -28,7 +28,7 @@ import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from splitserve.engine.transfer.gpu_copy import copy_op_cuda, current_stream
-from splitserve.engine.transfer.graph_copy import PoolPairKeys, copy_op_graph
+from splitserve.engine.transfer.graph_copy import PoolPairKeys, copy_op_graph, release
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
@@ -84,7 +84,7 @@ class CudaIpcTransport(KVTransport):
     kind = "cuda_ipc"
 
     def __init__(self, graphs: bool | None = None) -> None:
-        self._mapped: dict[bytes | str, list[torch.Tensor]] = {}
+        self._mapped: dict[bytes | str, tuple[torch.Tensor, ...]] = {}
         # graph-replayed copies (engine/transfer/graph_copy.py); SPLITSERVE_GRAPH_COPY=0 turns them off
         self._graphs = os.environ.get("SPLITSERVE_GRAPH_COPY", "1") != "0" if graphs is None else graphs
         self._pool_keys = PoolPairKeys()
@@ -94,17 +94,18 @@ class CudaIpcTransport(KVTransport):
             raise ValueError("CUDA IPC exposes contiguous CUDA tensors only")
         return json.dumps([encode_ipc_handle(*reduce_tensor(t)) for t in kv_tensors]).encode()
 
-    def open(self, metadata: bytes | str) -> list[torch.Tensor]:
+    def open(self, metadata: bytes | str) -> tuple[torch.Tensor, ...]:
         """The peer's layer tensors, mapped once per metadata (`expose`'s bytes, or the same JSON
         as a str, as NIXL endpoints carry it). At most `MAX_MAPPED` peer pools stay mapped: a peer
         that suspends and resumes publishes new handles, and torch keeps the old pool's memory
-        allocated on the peer for as long as a mapping of it lives here."""
+        allocated on the peer for as long as a mapping of it lives here. A tuple: it cannot change,
+        so the pool-pair memo trusts its identity (graph_copy.PoolPairKeys)."""
         # bytes and str objects cache their hash: a repeated lookup of the same object is O(1)
         key = metadata if isinstance(metadata, (bytes, str)) else bytes(metadata)
         tensors = self._mapped.get(key)
         if tensors is None:
             try:
-                tensors = [rebuild_cuda_tensor(*decode_ipc_handle(h)) for h in json.loads(metadata)]
+                tensors = tuple(rebuild_cuda_tensor(*decode_ipc_handle(h)) for h in json.loads(metadata))
             except Exception as exc:
                 raise TransferError(f"cannot map the peer's KV over CUDA IPC: {exc}") from exc
             if len(self._mapped) >= MAX_MAPPED:  # the oldest goes, with the pair memos holding it
@@ -124,16 +125,21 @@ class CudaIpcTransport(KVTransport):
         start = time.perf_counter()
         stream = current_stream(kv_tensors[0].get_device())
         num_bytes = num_ops = 0
-        for src_rank in needed_sources(plan, dst_rank, remote):
-            src = self.open(remote[src_rank])
-            pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
-            for op in plan.ops_for_pair(src_rank, dst_rank):
-                # one launch for every layer and block run of the op; replayed from a graph when it can
-                if not (self._graphs and copy_op_graph(op, src, kv_tensors, pools, stream)):
-                    copy_op_cuda(op, src, kv_tensors)
-                num_bytes += plan.op_bytes(op)
-                num_ops += 1
-        stream.synchronize()  # the copies ran on it; no device-wide sync
+        held: list = []  # graphs replayed by this pull: theirs until the copies have run
+        try:
+            for src_rank in needed_sources(plan, dst_rank, remote):
+                src = self.open(remote[src_rank])
+                pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
+                ops = plan.ops_for_pair(src_rank, dst_rank)
+                for op in ops:
+                    # one launch for every layer and block run of the op; replayed from a graph when it can
+                    if not (self._graphs and copy_op_graph(op, src, kv_tensors, held, pools)):
+                        copy_op_cuda(op, src, kv_tensors)
+                num_bytes += plan.pair_bytes(src_rank, dst_rank)
+                num_ops += len(ops)
+        finally:
+            stream.synchronize()  # the copies ran on it; no device-wide sync
+            release(held)
         return TransferStats(num_bytes, time.perf_counter() - start, num_ops)
 
     def close(self) -> None:

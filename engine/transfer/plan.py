@@ -100,6 +100,7 @@ class TransferPlan:
     ops: tuple[TransferOp, ...]
     _bytes_by_pair: dict[tuple[int, int], int] = field(init=False, repr=False, compare=False)
     _ops_by_pair: dict[tuple[int, int], tuple[TransferOp, ...]] = field(init=False, repr=False, compare=False)
+    _sources_by_dst: dict[int, tuple[int, ...]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.first_block <= self.num_blocks:
@@ -116,6 +117,10 @@ class TransferPlan:
         object.__setattr__(self, "_bytes_by_pair", pairs)
         # looked up per pull (a GPU pull's host time counts: benchmarks/RESULTS.md, 2026-12-02 session 6)
         object.__setattr__(self, "_ops_by_pair", {key: tuple(ops) for key, ops in ops_by_pair.items()})
+        sources: dict[int, list[int]] = {}
+        for src, dst in sorted(ops_by_pair):
+            sources.setdefault(dst, []).append(src)
+        object.__setattr__(self, "_sources_by_dst", {dst: tuple(srcs) for dst, srcs in sources.items()})
 
     def op_bytes(self, op: TransferOp) -> int:
         """Bytes `op` moves (layers × K,V × blocks × heads)."""
@@ -138,9 +143,13 @@ class TransferPlan:
     def ops_for_pair(self, src_rank: int, dst_rank: int) -> tuple[TransferOp, ...]:
         return self._ops_by_pair.get((src_rank, dst_rank), ())
 
-    def sources_for(self, dst_rank: int) -> list[int]:
-        """Source ranks `dst_rank` reads from, ascending."""
-        return sorted(src for src, dst in self._ops_by_pair if dst == dst_rank)
+    def sources_for(self, dst_rank: int) -> tuple[int, ...]:
+        """Source ranks `dst_rank` reads from, ascending (worked out once per plan: looked up per pull)."""
+        return self._sources_by_dst.get(dst_rank, ())
+
+    def pair_bytes(self, src_rank: int, dst_rank: int) -> int:
+        """Bytes the ops of one (source rank, destination rank) pair move."""
+        return self._bytes_by_pair.get((src_rank, dst_rank), 0)
 
     def summary(self) -> str:
         """Human-readable multi-line description for logs."""

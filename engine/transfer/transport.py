@@ -110,10 +110,11 @@ class KVTransport(TransportEndpoint):
         raise TransferError(f"the {self.kind or type(self).__name__} transport has no layer-wise streaming")
 
 
-def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> list[int]:
+def needed_sources(plan: TransferPlan, dst_rank: int, remote: Mapping[int, bytes]) -> tuple[int, ...]:
     """Source ranks `dst_rank` reads from, checking `remote` has metadata for each."""
     sources = plan.sources_for(dst_rank)
-    missing = [rank for rank in sources if rank not in remote]
-    if missing:
-        raise ValueError(f"no endpoint metadata for source ranks {missing} (have {sorted(remote)})")
+    for rank in sources:
+        if rank not in remote:
+            missing = [r for r in sources if r not in remote]
+            raise ValueError(f"no endpoint metadata for source ranks {missing} (have {sorted(remote)})")
     return sources

@@ -5,6 +5,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine import lifecycle
+from splitserve.engine.transfer.graph_copy import PoolPairKeys, pools_token
 from tests.fixtures.models import build_hf_checkpoint
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=64, max_tokens=32)
@@ -17,12 +18,17 @@ def test_suspend_resume_and_reload(tmp_path, llama_ckpt):
     before = llm.generate([[5, 6, 7, 8, 9]], PARAMS)[0].generated_tokens
     engine.add_request("inflight", [11, 12, 13], PARAMS)
     engine.step()
+    keys = PoolPairKeys()  # what a GPU handoff remembers of (peer pool, own pool)
+    peer = tuple(torch.zeros_like(kv) for kv in engine.kv_caches)
+    remembered = keys.key(peer, engine.kv_caches)
     lifecycle.suspend(engine)
     assert all(kv.untyped_storage().nbytes() == 0 for kv in engine.kv_caches)
     assert engine.pool.stats().num_in_use == 0 and engine.pool.stats().num_cached == 0
     engine.check_integrity()
     lifecycle.resume(engine)
     assert all(kv.untyped_storage().nbytes() == kv.numel() * 4 for kv in engine.kv_caches)
+    # the same tensor objects over new memory: the remembered pool pair is worked out again
+    assert keys.key(peer, engine.kv_caches) == pools_token(peer, engine.kv_caches) != remembered
     # The preempted request is recomputed and finishes like an uninterrupted one.
     outs = []
     while engine.has_unfinished():

@@ -42,3 +42,22 @@ def test_the_same_tensors_in_another_list_give_an_equal_key_and_the_memo_is_boun
     assert len(keys._memo) <= 2
     views = [t[:, :4] for t in dst]  # other shapes over the same addresses: another key
     assert keys.key(src, views) != first
+
+
+def test_tuples_are_trusted_by_identity_until_forget_pools():
+    """A tuple cannot change, so its identity stands for its tensors; `forget_pools` (a lifecycle
+    suspend / resume: the same tensor objects over new memory) makes every memo work its key out
+    again, and the re-pointed tensors get a token of their new addresses."""
+    from splitserve.engine.transfer.graph_copy import forget_pools
+
+    src, dst = (tuple(p) for p in _pools())
+    keys = PoolPairKeys()
+    first = keys.key(src, dst)
+    assert keys.key(src, dst) == first
+    # what engine/lifecycle.py does to a suspended and resumed pool (the address may or may not move)
+    dst[0].untyped_storage().resize_(0)
+    dst[0].untyped_storage().resize_(dst[0].numel() * dst[0].element_size())
+    assert keys.key(src, dst) == first  # the memo cannot see it: this is what forget_pools is for
+    forget_pools()
+    again = keys.key(src, dst)
+    assert again != first and again == pools_token(src, dst)

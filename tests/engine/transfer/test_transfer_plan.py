@@ -39,6 +39,15 @@ def test_tp_shrink_and_grow_group_heads():
     assert _summary(shrink) == [(r, 0, 0, 3, 0, 2 * r, 2) for r in range(4)]
     grow = build_plan(tp1, tp4, _tables(tp1, range(4)), _tables(tp4, range(4)))
     assert _summary(grow) == [(0, r, 0, 3, 2 * r, 0, 2) for r in range(4)]
+    # the per-pull lookups (worked out once per plan) agree with the ops
+    for plan in (shrink, grow):
+        for dst in range(4):
+            mine = [op for op in plan.ops if op.dst_rank == dst]
+            assert plan.sources_for(dst) == tuple(sorted({op.src_rank for op in mine}))
+            for src in range(4):
+                assert plan.pair_bytes(src, dst) == sum(
+                    plan.op_bytes(op) for op in mine if op.src_rank == src)
+    assert shrink.sources_for(0) == (0, 1, 2, 3) and shrink.sources_for(1) == () and shrink.pair_bytes(0, 1) == 0
     # A head slice on one side: one region per (layer, K|V, block).
     assert len(ops_regions(shrink.ops, tp4, tp1, 4, 4)) == 4 * 3 * 2 * 4
 
