@@ -52,13 +52,13 @@ def resolve_backend(name: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and kernels.triton_available() else "torch"
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise argmax (first index of the maximum, as torch's): on CUDA the two-stage Triton
-    kernel the decode graphs use — torch gives a whole 128k-entry row to one multiprocessor
-    (~40 µs for 64 rows on an H200, against ~11)."""
-    from splitserve import kernels
+def greedy_ids(logits: torch.Tensor, triton: bool) -> torch.Tensor:
+    """Row-wise argmax (first index of the maximum, as torch's). `triton` (the runner decides it
+    once: CUDA with Triton importable): the two-stage Triton kernel the decode graphs use — torch
+    gives a whole 128k-entry row to one multiprocessor (~40 µs for 64 rows on an H200, against ~11)."""
+    if triton and logits.dim() == 2 and logits.stride(-1) == 1:
+        from splitserve import kernels
 
-    if logits.is_cuda and logits.dim() == 2 and logits.stride(-1) == 1 and kernels.triton_available():
         return kernels.argmax_rows(logits)
     return logits.argmax(dim=-1)
 
@@ -133,6 +133,10 @@ class ModelRunner:
         )
         self._hidden_size = model_config.hidden_size
         self.backend = resolve_backend(config.attention_backend, self.device)
+        from splitserve import kernels
+
+        self._triton_argmax = self.device.type == "cuda" and kernels.triton_available()
+        """Eager greedy steps take the Triton argmax (greedy_ids)."""
         self.flashinfer = self._flashinfer_shape()
         """flashinfer backend: what its wrappers are planned for (attention_flashinfer.Shape)."""
         self.planner = None
@@ -236,7 +240,7 @@ class ModelRunner:
             c.request.wants_prompt_log_probs for c in out.chunks
         ):
             logits = self.model.compute_logits(hidden)
-            return self._decode_pending(out, logits, greedy_ids(logits))
+            return self._decode_pending(out, logits, greedy_ids(logits, self._triton_argmax))
         return PendingStep(out, hidden=hidden)
 
     def _decode_pending(
@@ -326,7 +330,7 @@ class ModelRunner:
         tokens of the `drawn` chunks' rows drawn at launch in place of theirs."""
         # Plain greedy rows (the common case) share one argmax and one host sync.
         if greedy is None and logits is not None:
-            greedy = greedy_ids(logits)
+            greedy = greedy_ids(logits, self._triton_argmax)
         greedy = greedy.tolist() if greedy is not None else []
         drawn_now = draw_on_device(out.chunks, logits, spans, self.row_seed, drawn) if logits is not None else {}
         results = []
