@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch.multiprocessing as mp
-from handoff_procs import BLOCK, LAYERS, STREAMING, destination, source
+
+sys.path.insert(0, str(Path(__file__).parent))  # handoff_procs, also under `python -P` from elsewhere
+from handoff_procs import BLOCK, LAYERS, STREAMING, destination, source  # noqa: E402
 
 
 def main() -> None:
