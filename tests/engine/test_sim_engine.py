@@ -57,7 +57,7 @@ def test_has_every_attribute_and_method_the_engine_has():
     engine, _ = make_engine()
     missing = {a for a in assigned if not hasattr(engine, a)}
     assert not missing, f"SimEngine lacks Engine attributes {missing}"
-    assert engine.kv_caches == [] and engine.ps.world_size == 1 and engine.tokenizer is None
+    assert engine.kv_caches == () and engine.ps.world_size == 1 and engine.tokenizer is None
 
 
 def test_prefill_pins_exact_blocks_and_models_its_time():
