@@ -164,7 +164,7 @@ class EngineConfig:
     checkpoints would change numerics, so auto keeps the stored dtype), float32,
     float16 or bfloat16."""
     device: str = "auto"
-    """`auto` picks CUDA when present, else CPU."""
+    """`auto` picks CUDA when present, else CPU (`SPLITSERVE_AUTO_DEVICE=cpu|cuda` overrides that choice)."""
     role: Role = "aggregated"
     """aggregated: whole requests. prefill: stop after the first token and keep
     the request's blocks pinned for a handoff. decode: accept imported KV."""

@@ -27,6 +27,8 @@ def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args:
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if use_cuda:
         torch.cuda.set_device(rank)
+    else:  # gloo between the ranks: their engines' "auto" device is the CPU, not a shared GPU
+        os.environ["SPLITSERVE_AUTO_DEVICE"] = "cpu"
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size)
         results.put((rank, True, fn(*args)))

@@ -8,6 +8,7 @@ metadata, runs its pipeline stage, and (on the driver) samples.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -33,8 +34,10 @@ _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch
 
 
 def resolve_device(name: str) -> torch.device:
+    """"auto": `SPLITSERVE_AUTO_DEVICE` when set (ranks that share too few GPUs are started with
+    it set to cpu, `engine/launch.py`), else CUDA when present, else the CPU."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = os.environ.get("SPLITSERVE_AUTO_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
 
 

@@ -37,6 +37,11 @@ from tests.fixtures.models import build_hf_checkpoint, build_tokenizer  # noqa: 
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 os.environ.setdefault("UCX_NET_DEVICES", "lo")
+# The suite is written for the CPU (the CI machine has no GPU): an engine built with the "auto" device
+# (and every worker process a test starts) runs there on a GPU host too, where it would otherwise pick
+# CUDA and meet the CPU tests' assumptions (shm/gloo transports, fp32 numerics). Tests of the GPU path
+# ask for device="cuda" themselves and skip without one.
+os.environ.setdefault("SPLITSERVE_AUTO_DEVICE", "cpu")
 
 ASYNC_TEST_TIMEOUT_S = 120
 

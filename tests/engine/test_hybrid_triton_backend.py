@@ -22,7 +22,7 @@ prompts = [[5, 9, 22, 7, 1, 3, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51
 params = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True, return_log_probs=True)
 out = {}
 for backend in ("torch", "triton"):
-    llm = LLM(sys.argv[1], attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
+    llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
     assert llm.engine.runner.backend == backend
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()

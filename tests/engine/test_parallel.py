@@ -59,3 +59,17 @@ def test_layouts():
 def test_parallel_config_without_a_process_group_is_refused(reference):
     with pytest.raises(RuntimeError, match="needs torch.distributed"):
         LLM(reference[0], tensor_parallel_size=2, **OPTIONS)
+
+
+def test_auto_device_follows_splitserve_auto_device(monkeypatch):
+    """"auto" is the CPU when `SPLITSERVE_AUTO_DEVICE=cpu` (set by the rank launcher when the ranks
+    talk over gloo, and by the test suite), else CUDA when present."""
+    from splitserve.engine.model_runner import resolve_device
+
+    monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cuda")
+    assert resolve_device("auto") == torch.device("cuda")
+    assert resolve_device("cpu") == torch.device("cpu")  # an explicit device is kept
+    monkeypatch.delenv("SPLITSERVE_AUTO_DEVICE")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")

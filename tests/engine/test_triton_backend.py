@@ -14,7 +14,11 @@ import pytest
 
 from tests.fixtures.models import build_hf_checkpoint
 
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
+OLD_INTERPRETER = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
+"""The H200 image's Triton 3.6 (below pyproject's requirement; carried there for its compiler) failed in
+its interpreter on the paged prefill kernel (InterpreterError: only 0-dimensional arrays can be converted
+to Python scalars) where 3.9 passes; there the kernels are tested natively (tests/kernels on CUDA)."""
 
 SCRIPT = r"""
 import json, sys, torch
@@ -34,7 +38,8 @@ OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
 for name in ("torch", "triton", "fused", "fused_own"):
     backend = "torch" if name == "torch" else "triton"
-    llm = LLM(sys.argv[1], attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
+    # device="cpu": Triton's interpreter; on a CUDA host the engine would otherwise pick the GPU
+    llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
     assert llm.engine.runner.backend == backend and not llm.engine.runner.model.fused
     if name.startswith("fused"):
         fuse_projections(llm.engine.runner.model)
@@ -61,6 +66,7 @@ print(json.dumps(out))
     [("llama", {}), ("qwen2", {}), ("llama", dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=1))],
     ids=["llama", "qwen2", "llama-head-dim-48"],
 )
+@pytest.mark.skipif(OLD_INTERPRETER, reason="Triton's interpreter before 3.7 (see OLD_INTERPRETER)")
 def test_triton_backend_matches_torch(tmp_path, family, shape):
     build_hf_checkpoint(tmp_path, family, **{"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, **shape})
     env = dict(os.environ, TRITON_INTERPRET="1")
