@@ -229,11 +229,20 @@ def _build_rank(
     return engine, transport, loop, state
 
 
+def _group_on_cuda(spec: WorkerSpec) -> bool:
+    """Whether the group's engines run on CUDA, so their process group is NCCL (else gloo): the
+    engines' device (`--device`, "auto" resolved as the engine resolves it), not merely a GPU
+    being present — CPU engines on a GPU host talk over gloo."""
+    from splitserve.engine.model_runner import resolve_device
+
+    return resolve_device(str(spec.engine_options.get("device", "auto"))).type == "cuda"
+
+
 def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
-    use_cuda = torch.cuda.is_available()
+    use_cuda = _group_on_cuda(spec)
     if use_cuda:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
@@ -268,8 +277,8 @@ class WorkerGroup:
                 )
                 p.start()
                 self._procs.append(p)
-            use_cuda = torch.cuda.is_available()
-            dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=0, world_size=world)
+            dist.init_process_group("nccl" if _group_on_cuda(spec) else "gloo", init_method=init_method, rank=0,
+                                    world_size=world)
         self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory, publisher)
         self.metrics = WorkerMetrics(spec.role, self.engine)
         """Prometheus metrics of this worker (served by worker_server.py with --metrics-port)."""

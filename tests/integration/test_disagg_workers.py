@@ -73,15 +73,10 @@ def _cases():
     for transport in ("nixl", "torch_dist"):
         for src, dst in PAIRS:
             marks = [] if (transport, src, dst) in QUICK else [pytest.mark.slow]
-            if transport == "nixl":
+            if transport == "nixl":  # the workers run on the CPU on GPU hosts too (tests/conftest.py)
                 marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
-                ranks = max(_size(src, "tp") * _size(src, "pp"), _size(dst, "tp") * _size(dst, "pp"))
-                if HAS_CUDA and ranks > torch.cuda.device_count():  # workers pick CUDA; NCCL wants a GPU per rank
-                    marks.append(pytest.mark.skip(reason=f"{ranks} ranks need {ranks} GPUs (NCCL inside a worker)"))
-            if transport == "torch_dist" and HAS_CUDA:
-                marks.append(pytest.mark.skip(reason="NCCL needs a GPU per rank; one-GPU hosts run cuda_ipc"))
             yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
-    # Same-host GPU pairs: both workers on one GPU, KV mapped over CUDA IPC (GPU hosts only).
+    # Same-host GPU pairs: both workers on one GPU (`--device cuda`), KV mapped over CUDA IPC (GPU hosts only).
     for src, dst in (("tp1", "tp1"),):
         marks = [pytest.mark.skipif(not HAS_CUDA, reason="CUDA IPC needs a GPU")]
         yield pytest.param("cuda_ipc", src, dst, id=f"cuda_ipc-{src}-to-{dst}", marks=marks)
@@ -90,6 +85,9 @@ def _cases():
 @pytest.mark.parametrize("transport, src, dst", list(_cases()))
 def test_disaggregated_tokens_match_aggregated(model_dir, expected, transport, src, dst):
     flags = [*ENGINE_FLAGS, "--transport", transport]
+    if transport == "cuda_ipc":  # on the GPU, against the aggregated engine on the GPU
+        flags += ["--device", "cuda"]
+        expected = LLM(model_dir, device="cuda", block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
     with (
         running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
         running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,

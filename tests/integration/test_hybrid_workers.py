@@ -57,8 +57,6 @@ def _cases():
             marks = [] if (transport, src, dst) in QUICK else [pytest.mark.slow]
             if transport == "nixl":
                 marks.append(pytest.mark.skipif(not HAS_NIXL, reason="NIXL (nixl-cu13) is not installed"))
-            if transport == "torch_dist" and torch.cuda.is_available():
-                marks.append(pytest.mark.skip(reason="NCCL needs a GPU per rank"))
             yield pytest.param(transport, src, dst, id=f"{transport}-{src}-to-{dst}", marks=marks)
 
 
