@@ -73,3 +73,18 @@ def test_auto_device_follows_splitserve_auto_device(monkeypatch):
     assert resolve_device("cpu") == torch.device("cpu")  # an explicit device is kept
     monkeypatch.delenv("SPLITSERVE_AUTO_DEVICE")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_worker_group_backend_follows_the_engines_device(monkeypatch):
+    """A worker group's process group is NCCL only when its engines run on CUDA: CPU engines on a
+    GPU host talk over gloo (engine/worker_runtime.py)."""
+    from splitserve.engine.worker_runtime import WorkerSpec, _group_on_cuda
+
+    def spec(device):
+        return WorkerSpec(model=None, role="prefill", engine_options={"device": device})
+
+    assert not _group_on_cuda(spec("cpu"))
+    assert _group_on_cuda(spec("cuda"))
+    monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
+    assert not _group_on_cuda(spec("auto"))
+    assert not _group_on_cuda(WorkerSpec(model=None, role="decode"))  # no device option: "auto"
