@@ -47,7 +47,7 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--etcd", default=None, help="HOST:PORT of etcd: register with the control plane (optional)")
     p.add_argument("--cluster", default="default", help="cluster name in etcd (default 'default')")
-    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present, or $SPLITSERVE_AUTO_DEVICE when set), cpu or cuda")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"], help="weights/KV dtype")
     p.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (default 16)")
     add_attention_backend_argument(p)

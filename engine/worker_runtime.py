@@ -238,6 +238,17 @@ def _group_on_cuda(spec: WorkerSpec) -> bool:
     return resolve_device(str(spec.engine_options.get("device", "auto"))).type == "cuda"
 
 
+def _check_gpus(spec: WorkerSpec) -> None:
+    """A CUDA group needs a GPU per rank (NCCL refuses two ranks on one GPU): say so at start, with
+    the way out, rather than fail inside NCCL's setup."""
+    world = spec.world_size
+    if world > 1 and _group_on_cuda(spec) and world > torch.cuda.device_count():
+        raise ValueError(
+            f"{world} ranks (--tp {spec.tensor_parallel_size} x --pp {spec.pipeline_parallel_size}) on CUDA need a GPU "
+            f"each and this host has {torch.cuda.device_count()}; use fewer ranks or --device cpu"
+        )
+
+
 def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
@@ -260,6 +271,7 @@ class WorkerGroup:
 
     def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None):
         """`publisher`: a KVEventPublisher (engine/kv_events.py) for rank 0's block events, or None."""
+        _check_gpus(spec)
         self.spec = spec
         self.draining = False
         """Set by a drain: the services refuse new requests but finish the rest."""

@@ -88,3 +88,12 @@ def test_worker_group_backend_follows_the_engines_device(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
     assert not _group_on_cuda(spec("auto"))
     assert not _group_on_cuda(WorkerSpec(model=None, role="decode"))  # no device option: "auto"
+
+
+def test_a_cuda_group_with_more_ranks_than_gpus_is_refused_at_start(monkeypatch):
+    from splitserve.engine.worker_runtime import WorkerGroup, WorkerSpec
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    spec = WorkerSpec(model=None, role="prefill", tensor_parallel_size=2, engine_options={"device": "cuda"})
+    with pytest.raises(ValueError, match=r"2 ranks \(--tp 2 x --pp 1\) on CUDA need a GPU each and this host has 1"):
+        WorkerGroup(spec, hooks_factory=None)
