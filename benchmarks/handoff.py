@@ -15,7 +15,7 @@ transfer plan, for 1k / 8k / 32k-token prompts, per transport:
   prefill ends; `layerwise`: it streams from prefill start (engine/transfer/streaming.py).
   Exposed = the handoff's time after prefill ends, i.e. transfer time not hidden by compute.
 
-    python benchmarks/handoff.py                         # CPU: shm, nixl, torch_dist (gloo)
+    python benchmarks/handoff.py                         # CPU: shm, nixl, torch_dist (gloo; and TCP's ceiling)
     python benchmarks/handoff.py --transports nixl,nixl_strided --no-exposed   # NIXL reshards: staged vs strided
     python benchmarks/handoff.py --transports nixl,nixl_packed   # NIXL reshards: staged vs packed on the source
     python benchmarks/handoff.py --gpu                   # H200: cuda_ipc, nixl (VRAM); NCCL needs 2 GPUs
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).parent))  # handoff_procs, also under `python -P` from elsewhere
-from handoff_procs import BLOCK, LAYERS, STREAMING, destination, source  # noqa: E402
+from handoff_procs import BLOCK, LAYERS, STREAMING, destination, source, tcp_ceiling  # noqa: E402
 
 
 def main() -> None:
@@ -96,6 +96,10 @@ def main() -> None:
                       f"{r['prefill_s'] * 1e3:>10.1f} "
                       f"{off:>14} {on:>20} {r['pack_ms']:>14.1f}")
     print(f"layer-wise streaming available for: {', '.join(k for k in kinds if k in STREAMING) or 'none'}")
+    if "torch_dist" in kinds and not args.gpu:  # gloo's only transport is TCP: its ceiling, in the same run
+        tcp, copy = tcp_ceiling(ctx)
+        print(f"raw TCP over loopback between two processes {tcp:.2f} GB/s = {tcp / copy:.1%} of a 1-thread copy "
+              f"({copy:.2f} GB/s): the most torch_dist over gloo could reach here")
 
 
 if __name__ == "__main__":

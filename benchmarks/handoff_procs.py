@@ -244,3 +244,47 @@ def _exposed(conn, n_tokens, prefill_s, request_id, dst_tp, pull_after, stream) 
         done = time.monotonic()
     conn.send("ack")
     return max(0.0, done - prefill_end)
+
+
+def _tcp_sink(conn, nbytes: int, chunk: int) -> None:
+    """Receive `nbytes` on a loopback socket whose port goes back over `conn`, then say done."""
+    import socket
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        conn.send(server.getsockname()[1])
+        peer, _ = server.accept()
+        with peer:
+            view, got = memoryview(bytearray(chunk)), 0
+            while got < nbytes:
+                got += peer.recv_into(view, chunk)
+            peer.sendall(b"k")
+
+
+def tcp_ceiling(ctx, nbytes: int = 512 << 20, chunk: int = 4 << 20, repeats: int = 3) -> tuple[float, float]:
+    """(GB/s of raw TCP over loopback between two processes, GB/s of a 1-thread CPU copy of as many bytes),
+    best of `repeats` each: what gloo, whose only transport is TCP, could move at most, beside memcpy."""
+    import socket
+
+    best_tcp = 0.0
+    for _ in range(repeats):
+        a, b = ctx.Pipe()
+        sink = ctx.Process(target=_tcp_sink, args=(b, nbytes, chunk))
+        sink.start()
+        data = memoryview(bytearray(os.urandom(chunk)))
+        with socket.create_connection(("127.0.0.1", a.recv())) as sock:
+            t0 = time.perf_counter()
+            for _ in range(nbytes // chunk):
+                sock.sendall(data)
+            sock.recv(1)
+            best_tcp = max(best_tcp, nbytes / (time.perf_counter() - t0))
+        sink.join()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        best_copy = max(nbytes / _copy_time(nbytes, "cpu") for _ in range(repeats))
+    finally:
+        torch.set_num_threads(threads)
+        _COPY_BUFFERS.clear()
+    return best_tcp / 1e9, best_copy / 1e9
