@@ -38,6 +38,8 @@ def resolve_device(name: str) -> torch.device:
     it set to cpu, `engine/launch.py`), else CUDA when present, else the CPU."""
     if name == "auto":
         name = os.environ.get("SPLITSERVE_AUTO_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
+        if name not in ("cpu", "cuda"):
+            raise ValueError(f"SPLITSERVE_AUTO_DEVICE must be cpu or cuda, got {name!r}")
     return torch.device(name)
 
 

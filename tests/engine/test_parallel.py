@@ -71,6 +71,9 @@ def test_auto_device_follows_splitserve_auto_device(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cuda")
     assert resolve_device("auto") == torch.device("cuda")
     assert resolve_device("cpu") == torch.device("cpu")  # an explicit device is kept
+    monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "gpu")
+    with pytest.raises(ValueError, match="SPLITSERVE_AUTO_DEVICE must be cpu or cuda, got 'gpu'"):
+        resolve_device("auto")
     monkeypatch.delenv("SPLITSERVE_AUTO_DEVICE")
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
