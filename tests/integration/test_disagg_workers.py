@@ -44,9 +44,14 @@ def _prompts():
     return [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 29, 40)]
 
 
+def _aggregated(model_dir, device="auto"):
+    """The aggregated engine's results for `_prompts()`: what every disaggregated run must give."""
+    return LLM(model_dir, device=device, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
+
+
 @pytest.fixture(scope="module")
 def expected(model_dir):
-    return LLM(model_dir, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
+    return _aggregated(model_dir)
 
 
 SHAPES = {
@@ -87,7 +92,7 @@ def test_disaggregated_tokens_match_aggregated(model_dir, expected, transport, s
     flags = [*ENGINE_FLAGS, "--transport", transport]
     if transport == "cuda_ipc":  # on the GPU, against the aggregated engine on the GPU
         flags += ["--device", "cuda"]
-        expected = LLM(model_dir, device="cuda", block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
+        expected = _aggregated(model_dir, device="cuda")
     with (
         running_worker("prefill-worker", model_dir, *SHAPES[src], *flags) as pw,
         running_worker("decode-worker", model_dir, *SHAPES[dst], *flags) as dw,
