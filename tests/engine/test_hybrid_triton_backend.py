@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from tests.fixtures.models import build_hybrid_checkpoint
+from tests.fixtures.triton_version import OLD_INTERPRETER_REASON, old_interpreter
 
 pytest.importorskip("triton")
 
@@ -32,6 +33,7 @@ print(json.dumps(out))
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(old_interpreter(), reason=OLD_INTERPRETER_REASON)
 def test_hybrid_triton_path_matches_torch(tmp_path):
     build_hybrid_checkpoint(tmp_path)
     env = dict(os.environ, TRITON_INTERPRET="1")

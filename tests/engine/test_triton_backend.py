@@ -13,12 +13,9 @@ import sys
 import pytest
 
 from tests.fixtures.models import build_hf_checkpoint
+from tests.fixtures.triton_version import OLD_INTERPRETER_REASON, old_interpreter
 
 triton = pytest.importorskip("triton")
-OLD_INTERPRETER = tuple(int(x) for x in triton.__version__.split(".")[:2]) < (3, 7)
-"""The H200 image's Triton 3.6 (below pyproject's requirement; carried there for its compiler) failed in
-its interpreter on the paged prefill kernel (InterpreterError: only 0-dimensional arrays can be converted
-to Python scalars) where 3.9 passes; there the kernels are tested natively (tests/kernels on CUDA)."""
 
 SCRIPT = r"""
 import json, sys, torch
@@ -66,7 +63,7 @@ print(json.dumps(out))
     [("llama", {}), ("qwen2", {}), ("llama", dict(hidden_size=96, num_attention_heads=2, num_key_value_heads=1))],
     ids=["llama", "qwen2", "llama-head-dim-48"],
 )
-@pytest.mark.skipif(OLD_INTERPRETER, reason="Triton's interpreter before 3.7 (see OLD_INTERPRETER)")
+@pytest.mark.skipif(old_interpreter(), reason=OLD_INTERPRETER_REASON)
 def test_triton_backend_matches_torch(tmp_path, family, shape):
     build_hf_checkpoint(tmp_path, family, **{"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, **shape})
     env = dict(os.environ, TRITON_INTERPRET="1")
