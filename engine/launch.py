@@ -2,8 +2,10 @@
 
 One process per rank (spawned, so CUDA and torch threads start clean), joined
 through a `file://` rendezvous — nothing binds a network port. gloo on CPU,
-NCCL on GPU (rank i uses cuda:i). Any rank's failure kills the group and
-re-raises with that rank's traceback; a deadline prevents hangs.
+NCCL on GPU (rank i uses cuda:i), by the engines' device
+(`model_runner.group_on_cuda`, the rule worker groups follow too). Any rank's
+failure kills the group and re-raises with that rank's traceback; a deadline
+prevents hangs.
 """
 
 from __future__ import annotations
@@ -20,14 +22,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from splitserve.engine.model_runner import group_on_cuda
 
-def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple, results) -> None:
+
+def _rank_main(
+    rank: int, world_size: int, init_method: str, use_cuda: bool, fn: Callable, args: tuple, results
+) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world_size
     if use_cuda:
         torch.cuda.set_device(rank)
-    else:  # gloo between the ranks: their engines' "auto" device is the CPU, not a shared GPU
+    else:  # gloo between the ranks: an engine's "auto" device is the CPU too, never a GPU of the host
         os.environ["SPLITSERVE_AUTO_DEVICE"] = "cpu"
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size)
@@ -39,14 +44,19 @@ def _rank_main(rank: int, world_size: int, init_method: str, fn: Callable, args:
             dist.destroy_process_group()
 
 
-def run_on_ranks(world_size: int, fn: Callable, *args: Any, timeout_s: float = 600.0) -> list[Any]:
-    """Call `fn(*args)` on `world_size` fresh processes; return their results by rank."""
+def run_on_ranks(
+    world_size: int, fn: Callable, *args: Any, use_cuda: bool | None = None, timeout_s: float = 600.0
+) -> list[Any]:
+    """Call `fn(*args)` on `world_size` fresh processes; return their results by rank.
+    `use_cuda`: NCCL with a GPU per rank, or gloo on the CPU (default: `group_on_cuda("auto", world_size)`)."""
+    if use_cuda is None:
+        use_cuda = group_on_cuda("auto", world_size)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="splitserve-rdzv-") as tmp:
         init_method = f"file://{tmp}/rendezvous"
         procs = [
-            ctx.Process(target=_rank_main, args=(r, world_size, init_method, fn, args, results), daemon=True)
+            ctx.Process(target=_rank_main, args=(r, world_size, init_method, use_cuda, fn, args, results), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
@@ -97,5 +107,6 @@ def generate_on_ranks(
     """`LLM.generate` on a TP × PP group; returns the driver rank's results."""
     world = tensor_parallel_size * pipeline_parallel_size
     options = dict(engine_options, tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size)
-    per_rank = run_on_ranks(world, _generate, model, prompts, params, options)
+    use_cuda = group_on_cuda(str(engine_options.get("device", "auto")), tensor_parallel_size, pipeline_parallel_size)
+    per_rank = run_on_ranks(world, _generate, model, prompts, params, options, use_cuda=use_cuda)
     return per_rank[(pipeline_parallel_size - 1) * tensor_parallel_size]

@@ -230,23 +230,12 @@ def _build_rank(
 
 
 def _group_on_cuda(spec: WorkerSpec) -> bool:
-    """Whether the group's engines run on CUDA, so their process group is NCCL (else gloo): the
-    engines' device (`--device`, "auto" resolved as the engine resolves it), not merely a GPU
-    being present — CPU engines on a GPU host talk over gloo."""
-    from splitserve.engine.model_runner import resolve_device
+    """NCCL or gloo for the group: `model_runner.group_on_cuda` of the engines' `--device`; a CUDA
+    group with more ranks than GPUs raises ValueError (WorkerGroup asks first, at start)."""
+    from splitserve.engine.model_runner import group_on_cuda
 
-    return resolve_device(str(spec.engine_options.get("device", "auto"))).type == "cuda"
-
-
-def _check_gpus(spec: WorkerSpec) -> None:
-    """A CUDA group needs a GPU per rank (NCCL refuses two ranks on one GPU): say so at start, with
-    the way out, rather than fail inside NCCL's setup."""
-    world = spec.world_size
-    if world > 1 and _group_on_cuda(spec) and world > torch.cuda.device_count():
-        raise ValueError(
-            f"{world} ranks (--tp {spec.tensor_parallel_size} x --pp {spec.pipeline_parallel_size}) on CUDA need a GPU "
-            f"each and this host has {torch.cuda.device_count()}; use fewer ranks or --device cpu"
-        )
+    device = str(spec.engine_options.get("device", "auto"))
+    return group_on_cuda(device, spec.tensor_parallel_size, spec.pipeline_parallel_size)
 
 
 def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:
@@ -271,7 +260,7 @@ class WorkerGroup:
 
     def __init__(self, spec: WorkerSpec, hooks_factory: HooksFactory, publisher=None):
         """`publisher`: a KVEventPublisher (engine/kv_events.py) for rank 0's block events, or None."""
-        _check_gpus(spec)
+        on_cuda = _group_on_cuda(spec)  # refuses a CUDA group with too few GPUs before anything starts
         self.spec = spec
         self.draining = False
         """Set by a drain: the services refuse new requests but finish the rest."""
@@ -289,7 +278,7 @@ class WorkerGroup:
                 )
                 p.start()
                 self._procs.append(p)
-            dist.init_process_group("nccl" if _group_on_cuda(spec) else "gloo", init_method=init_method, rank=0,
+            dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=0,
                                     world_size=world)
         self.engine, self.transport, self.loop, self.state = _build_rank(spec, hooks_factory, publisher)
         self.metrics = WorkerMetrics(spec.role, self.engine)

@@ -100,3 +100,18 @@ def test_a_cuda_group_with_more_ranks_than_gpus_is_refused_at_start(monkeypatch)
     spec = WorkerSpec(model=None, role="prefill", tensor_parallel_size=2, engine_options={"device": "cuda"})
     with pytest.raises(ValueError, match=r"2 ranks \(--tp 2 x --pp 1\) on CUDA need a GPU each and this host has 1"):
         WorkerGroup(spec, hooks_factory=None)
+
+
+def test_the_rank_launcher_refuses_a_cuda_group_with_more_ranks_than_gpus(monkeypatch):
+    """`generate_on_ranks` follows the worker groups' rule (model_runner.group_on_cuda): CUDA engines
+    need a GPU per rank, refused before any rank is spawned; CPU engines on a GPU host use gloo."""
+    from splitserve.engine.model_runner import group_on_cuda
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"4 ranks \(--tp 2 x --pp 2\) on CUDA need a GPU each and this host has 1"):
+        generate_on_ranks(None, [[1, 2]], PARAMS, 2, 2, device="cuda")
+    assert group_on_cuda("cuda", 1)  # one rank needs no group
+    assert not group_on_cuda("cpu", 4)
+    monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
+    assert not group_on_cuda("auto", 4)
+
