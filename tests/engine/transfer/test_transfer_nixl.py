@@ -207,6 +207,6 @@ def test_the_same_host_shortcut_stays_out_of_cpu_pools_and_other_hosts(monkeypat
     if torch.cuda.is_available():
         gpu_pool = [t.cuda() for t in cpu_pool]
         assert path.pull(None, 0, {0: ep}, gpu_pool) is None  # another host: NIXL
-        monkeypatch.setenv("SPLITSERVE_NIXL_CUDA_IPC", "0")
-        assert path.pull(None, 0, {0: here}, gpu_pool) is None  # turned off
+        monkeypatch.setenv("SPLITSERVE_NIXL_CUDA_IPC", "0")  # read when a transport starts
+        assert nixl_same_host.SameHostPath().pull(None, 0, {0: here}, gpu_pool) is None  # turned off
     assert path.pulls == 0
