@@ -73,8 +73,8 @@ def test_lru_keeps_cached_blocks_until_space_is_needed():
     assert pool.lookup(h) == [0, 1]
     pool.ref([0])  # a hit revives block 0
     assert _state(pool) == (1, 1, 1, 0) and pool.ref_count(0) == 1
-    # Needing 2 blocks takes the free one, then evicts block 1 (its hash goes).
-    assert pool.allocate(2) == [2, 1]
+    # Needing 2 blocks takes the free one, then evicts block 1 (its hash goes); ids come sorted.
+    assert pool.allocate(2) == [1, 2]
     assert pool.lookup(h) == [0] and pool.hash_of(1) is None
     events = pool.drain_events()
     assert [e.kind for e in events] == ["stored", "stored", "removed"]
@@ -159,3 +159,26 @@ def test_reset_prefix_cache_clears_idle_blocks():
     assert _state(pool) == (2, 0, 0, 0)
     assert [e.kind for e in pool.drain_events()] == ["cleared"]
     pool.check_integrity()
+
+
+def test_a_recycled_table_comes_back_as_one_run():
+    """Tables are freed tail-first; the next allocation of those blocks still hands out ascending,
+    consecutive ids, so a handoff of it is one block run (transfer/plan.py), not one per block."""
+    from splitserve.engine.transfer.layout import KVLayout
+    from splitserve.engine.transfer.plan import build_plan
+
+    for caching in (True, False):
+        pool = BlockPool(64, "lru", enable_caching=caching)
+        first = pool.allocate(16)
+        if caching:
+            for b, h in zip(first, hash_blocks(list(range(64)), 4), strict=True):
+                pool.register(b, h, None)
+        pool.allocate(48)
+        pool.free(reversed(first))
+        again = pool.allocate(16)
+        assert again == list(range(16))
+        layout = KVLayout("float32", 4, 1, 1, 2, 2, 8)
+        plan = build_plan(layout, layout, {0: again}, {0: again})
+        assert [len(op.block_runs) for op in plan.ops] == [1]
+        pool.check_integrity()
+
