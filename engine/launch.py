@@ -3,7 +3,7 @@
 One process per rank (spawned, so CUDA and torch threads start clean), joined
 through a `file://` rendezvous — nothing binds a network port. gloo on CPU,
 NCCL on GPU (rank i uses cuda:i), by the engines' device
-(`model_runner.group_on_cuda`, the rule worker groups follow too). Any rank's
+(`devices.group_on_cuda`, the rule worker groups follow too). Any rank's
 failure kills the group and re-raises with that rank's traceback; a deadline
 prevents hangs.
 """
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from splitserve.engine.model_runner import group_on_cuda
+from splitserve.engine.devices import group_on_cuda
 
 
 def _rank_main(

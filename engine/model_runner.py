@@ -8,7 +8,6 @@ metadata, runs its pipeline stage, and (on the driver) samples.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -22,6 +21,7 @@ from splitserve.engine.device_sampler import (
     draw_rows,
     sampled_rows,
 )
+from splitserve.engine.devices import resolve_device
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
@@ -31,34 +31,6 @@ from splitserve.engine.sampler import SampleResult, make_generator, prompt_logpr
 from splitserve.engine.scheduler import SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def resolve_device(name: str) -> torch.device:
-    """"auto": `SPLITSERVE_AUTO_DEVICE` when set (the rank launcher sets it to cpu on the ranks of
-    a CPU group, `engine/launch.py`; the test suite sets it too), else CUDA when present, else the CPU."""
-    if name == "auto":
-        name = os.environ.get("SPLITSERVE_AUTO_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-        if name not in ("cpu", "cuda"):
-            raise ValueError(f"SPLITSERVE_AUTO_DEVICE must be cpu or cuda, got {name!r}")
-    return torch.device(name)
-
-
-def group_on_cuda(device: str, tp: int, pp: int = 1) -> bool:
-    """Whether a TP x PP group whose engines ask for `device` runs on CUDA — a GPU per rank, NCCL
-    between the ranks — or on the CPU over gloo. The engines' device decides ("auto" resolved as
-    `resolve_device` does), not merely a GPU being present: CPU engines on a GPU host talk over
-    gloo. The one rule for the rank launcher (engine/launch.py) and the worker groups
-    (engine/worker_runtime.py). A CUDA group with more ranks than GPUs is refused here, with the
-    way out, rather than inside NCCL's setup (which refuses two ranks on one GPU); a silent fall
-    back to the CPU would serve tens of times slower than the user asked for."""
-    on_cuda = resolve_device(device).type == "cuda"
-    world = tp * pp
-    if on_cuda and world > 1 and world > torch.cuda.device_count():
-        raise ValueError(
-            f"{world} ranks (--tp {tp} x --pp {pp}) on CUDA need a GPU each and this host has "
-            f"{torch.cuda.device_count()}; use fewer ranks or --device cpu"
-        )
-    return on_cuda
 
 
 def resolve_backend(name: str, device: torch.device) -> str:

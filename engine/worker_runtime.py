@@ -230,9 +230,9 @@ def _build_rank(
 
 
 def _group_on_cuda(spec: WorkerSpec) -> bool:
-    """NCCL or gloo for the group: `model_runner.group_on_cuda` of the engines' `--device`; a CUDA
+    """NCCL or gloo for the group: `devices.group_on_cuda` of the engines' `--device`; a CUDA
     group with more ranks than GPUs raises ValueError (WorkerGroup asks first, at start)."""
-    from splitserve.engine.model_runner import group_on_cuda
+    from splitserve.engine.devices import group_on_cuda
 
     device = str(spec.engine_options.get("device", "auto"))
     return group_on_cuda(device, spec.tensor_parallel_size, spec.pipeline_parallel_size)

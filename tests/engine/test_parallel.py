@@ -64,7 +64,7 @@ def test_parallel_config_without_a_process_group_is_refused(reference):
 def test_auto_device_follows_splitserve_auto_device(monkeypatch):
     """"auto" is the CPU when `SPLITSERVE_AUTO_DEVICE=cpu` (set by the rank launcher when the ranks
     talk over gloo, and by the test suite), else CUDA when present."""
-    from splitserve.engine.model_runner import resolve_device
+    from splitserve.engine.devices import resolve_device
 
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
     assert resolve_device("auto") == torch.device("cpu")
@@ -103,9 +103,9 @@ def test_a_cuda_group_with_more_ranks_than_gpus_is_refused_at_start(monkeypatch)
 
 
 def test_the_rank_launcher_refuses_a_cuda_group_with_more_ranks_than_gpus(monkeypatch):
-    """`generate_on_ranks` follows the worker groups' rule (model_runner.group_on_cuda): CUDA engines
+    """`generate_on_ranks` follows the worker groups' rule (devices.group_on_cuda): CUDA engines
     need a GPU per rank, refused before any rank is spawned; CPU engines on a GPU host use gloo."""
-    from splitserve.engine.model_runner import group_on_cuda
+    from splitserve.engine.devices import group_on_cuda
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(ValueError, match=r"4 ranks \(--tp 2 x --pp 2\) on CUDA need a GPU each and this host has 1"):
