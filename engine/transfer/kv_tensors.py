@@ -49,6 +49,28 @@ def check_kv_tensors(kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank:
     return pool
 
 
+class HeldPoolCheck:
+    """`check_kv_tensors` for an owner that pulls into the same pool tuple over and over (a
+    transport's destination pool): the last tuple that passed is *held* here, so its id cannot be
+    reused while remembered, and a tuple cannot change — the same tuple, layout and rank skip even
+    the memo's weakref walk (~1.5 µs at 16 layers of a ~35 µs 1k-token GPU pull, benchmarks/
+    RESULTS.md 2026-12-04 session 18). Lists go through `check_kv_tensors` every time."""
+
+    def __init__(self) -> None:
+        self._last: tuple = ()
+
+    def __call__(self, kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int) -> int:
+        last = self._last
+        if last and last[0] is kv_tensors and last[2] == rank and (last[1] is layout or last[1] == layout):
+            return last[3]
+        pool = check_kv_tensors(kv_tensors, layout, rank)
+        self._last = (kv_tensors, layout, rank, pool) if type(kv_tensors) is tuple else ()
+        return pool
+
+    def clear(self) -> None:
+        self._last = ()
+
+
 def _check(kv_tensors: Sequence[torch.Tensor], layout: KVLayout, rank: int) -> int:
     expected_layers = layout.num_local_layers(layout.pp_rank(rank))
     if len(kv_tensors) != expected_layers:

@@ -181,4 +181,3 @@ def test_a_recycled_table_comes_back_as_one_run():
         plan = build_plan(layout, layout, {0: again}, {0: again})
         assert [len(op.block_runs) for op in plan.ops] == [1]
         pool.check_integrity()
-

@@ -114,4 +114,3 @@ def test_the_rank_launcher_refuses_a_cuda_group_with_more_ranks_than_gpus(monkey
     assert not group_on_cuda("cpu", 4)
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
     assert not group_on_cuda("auto", 4)
-

@@ -64,3 +64,27 @@ def test_the_memo_does_not_keep_a_pool_alive():
     del pool
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_a_held_pool_check_skips_only_the_very_tuple_it_passed(monkeypatch):
+    """`HeldPoolCheck` (a transport's destination pool): the same tuple, layout and rank are not
+    checked again; another tuple, a list, another layout or rank go through `check_kv_tensors`."""
+    check = kv_tensors.HeldPoolCheck()
+    pool = tuple(_pool(blocks=6))
+    calls = []
+    real = kv_tensors.check_kv_tensors
+    monkeypatch.setattr(kv_tensors, "check_kv_tensors", lambda *a: calls.append(a) or real(*a))
+    assert check(pool, _layout(), 0) == 6
+    assert check(pool, _layout(), 0) == 6
+    assert len(calls) == 1
+    check(list(pool), _layout(), 0)  # a list can change: checked
+    check(list(pool), _layout(), 0)
+    assert len(calls) == 3
+    with pytest.raises(ValueError, match="has shape"):  # another layout: checked (and refused)
+        check(pool, _layout(tp=2), 0)
+    bad = (*pool[:2], torch.zeros(2, 6, 4, 8, 4))
+    with pytest.raises(ValueError, match="tensor 2 has shape"):
+        check(bad, _layout(), 0)
+    check.clear()
+    check(pool, _layout(), 0)
+    assert len(calls) == 6
