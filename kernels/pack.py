@@ -33,11 +33,11 @@ from ._common import cdiv, layer_offsets, next_power_of_2
 from ._launch import FastLaunch, arg_key
 from .pack_reference import copy_head_blocks_reference
 
-__all__ = ["copy_head_block_runs", "copy_head_blocks_reference"]
+__all__ = ["NUM_WARPS", "copy_grid", "copy_head_block_runs", "copy_head_blocks_reference"]
 
 _MAX_CHUNK = 2048
 _MAX_ROWS = 2
-_NUM_WARPS = 16
+NUM_WARPS = 16
 
 
 @triton.jit(do_not_specialize=["one_src", "one_dst", "one_len"])  # a block id of 1 stays a runtime int
@@ -152,11 +152,15 @@ def _pair(srcs, dsts, src_head_start: int, dst_head_start: int, num_heads: int) 
 
 def copy_head_block_runs(
     srcs, dsts, runs, max_run: int, src_head_start: int, dst_head_start: int, num_heads: int,
+    grid_blocks: int | None = None,
 ) -> None:
     """Copy the head range of every block run of `runs` for every (src, dst) layer pair, in one
     launch. `runs` is an int32 [R, 3] tensor on the devices (src_block, dst_block, num_blocks;
     `max_run` >= the longest), or one such run as a tuple of ints — passed to the kernel as
     scalars, with no host-to-device copy (~13 µs of a ~140 µs 8k-token handoff on the H200).
+    `grid_blocks` (one run only): size the launch for runs of up to that many blocks instead of
+    this run's length — a captured graph whose scalars are rewritten per launch
+    (engine/transfer/graph_node.py); the caller keeps every run's length within it.
     All `srcs` share one shape / strides / dtype, all `dsts` another (a KV pool's layers do).
     Block ids are not range-checked on the device: the transfer plan guarantees them."""
     if len(srcs) != len(dsts) or not srcs:
@@ -165,17 +169,26 @@ def copy_head_block_runs(
     if isinstance(runs, tuple):
         if len(runs) != 3 or not all(isinstance(x, int) and x >= 0 for x in runs):
             raise ValueError(f"one run must be (src_block, dst_block, num_blocks) ints >= 0, got {runs!r}")
-        one, num_runs, max_run, table = runs, 1, runs[2], src_offsets  # the table is not read
+        max_run = runs[2] if grid_blocks is None else grid_blocks
+        one, num_runs, table = runs, 1, src_offsets  # the table is not read
     else:
         if runs.dim() != 2 or runs.shape[1] != 3 or runs.dtype != torch.int32:
             raise ValueError(f"runs must be int32 [R, 3], got {runs.dtype} {tuple(runs.shape)}")
         one, num_runs, table = (0, 0, 0), runs.shape[0], runs
     if num_runs == 0 or max_run <= 0:
         return
-    rows = min(next_power_of_2(max_run), _MAX_ROWS)
     _launch_copy_runs(
-        (num_runs, cdiv(max_run, rows), 2 * len(srcs)),
+        copy_grid(num_runs, max_run, len(srcs)),
         (srcs[0], dsts[0], src_offsets, dst_offsets, *scalars, table, *one),
-        {"ROW": row, "ROWS": rows, "CHUNK": min(next_power_of_2(row), _MAX_CHUNK), "ONE_RUN": isinstance(runs, tuple)},
-        _NUM_WARPS, static_key=static_key, num_static=4 + len(scalars),
+        {"ROW": row, "ROWS": _rows(max_run), "CHUNK": min(next_power_of_2(row), _MAX_CHUNK), "ONE_RUN": isinstance(runs, tuple)},
+        NUM_WARPS, static_key=static_key, num_static=4 + len(scalars),
     )
+
+
+def _rows(max_run: int) -> int:
+    return min(next_power_of_2(max_run), _MAX_ROWS)
+
+
+def copy_grid(num_runs: int, max_run: int, num_layers: int) -> tuple[int, int, int]:
+    """The launch grid of `copy_head_block_runs` (its kernel runs `NUM_WARPS` warps a program)."""
+    return (num_runs, cdiv(max_run, _rows(max_run)), 2 * num_layers)

@@ -29,6 +29,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
 from splitserve.engine.transfer.gpu_copy import copy_op_cuda, current_stream
 from splitserve.engine.transfer.graph_copy import PoolPairKeys, copy_op_graph, release
+from splitserve.engine.transfer.graph_node import synchronize
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, needed_sources
 
@@ -133,12 +134,12 @@ class CudaIpcTransport(KVTransport):
                 ops = plan.ops_for_pair(src_rank, dst_rank)
                 for op in ops:
                     # one launch for every layer and block run of the op; replayed from a graph when it can
-                    if not (self._graphs and copy_op_graph(op, src, kv_tensors, held, pools)):
+                    if not (self._graphs and copy_op_graph(op, src, kv_tensors, held, pools, stream)):
                         copy_op_cuda(op, src, kv_tensors)
                 num_bytes += plan.pair_bytes(src_rank, dst_rank)
                 num_ops += len(ops)
         finally:
-            stream.synchronize()  # the copies ran on it; no device-wide sync
+            synchronize(stream)  # the copies ran on it; no device-wide sync
             release(held)
         return TransferStats(num_bytes, time.perf_counter() - start, num_ops)
 

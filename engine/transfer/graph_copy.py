@@ -1,50 +1,74 @@
-"""Pool-to-pool handoff copies replayed from CUDA graphs: the host cost of a pull down to a
-pinned write and one graph launch.
+"""Pool-to-pool handoff copies replayed from CUDA graphs: the host cost of a pull down to
+setting three kernel arguments and one graph launch.
 
 An 8k-token handoff of Llama-3.2-1B KV is ~130 µs of copying on the H200, and launching the
 copy kernel from Python (checks, argument binding, launcher) cost 25-35 µs of it on top
 (benchmarks/RESULTS.md, 2026-12-01). Between two fixed pools (the decode worker's own and a
 peer's mapped over CUDA IPC) everything but the block run is the same from pull to pull, so one
-launch is captured per (pool pair, layer range, head range, run-length bucket): the graph copies
-a 1-row run table from pinned memory to the device, then runs the kernel over a grid sized for
-the bucket (the next power of two of the run's length; rows past the run are masked off).
+launch is captured per (pool pair, layer range, head range, run-length bucket), over a grid
+sized for the bucket (the next power of two of the run's length; rows past the run are masked
+off). The run reaches the kernel as its scalar arguments, rewritten in the executable graph per
+launch (graph_node.py); where that cannot be done, the graph copies a 1-row run table from
+pinned memory to the device first (~4 µs more per pull on the H200: a tenth of a 1k-token one).
 
 Safety: a graph bakes in addresses. It is keyed by every layer's address on both sides plus the
 first layer's shape and strides (`kernels.pack._pair`), and used only with tensors the caller
-passes now — so whatever memory those addresses name is live and laid out as captured. The
-pinned run row is written only by the pull that holds the graph's lock, and that pull keeps it
-until its copies have run (it synchronises its stream, then releases); a pull that finds a graph
-taken copies directly instead of waiting. Capture is thread-local, so other threads'
-CUDA work (an engine loop) goes on meanwhile.
+passes now — so whatever memory those addresses name is live and laid out as captured. A
+graph's arguments are set and launched by one pull at a time (its lock; an update does not touch
+launches already queued). The pinned run row of a memcpy-node graph is written only by the pull
+that holds the graph's lock, and that pull keeps it until its copies have run (it synchronises
+its stream, then releases); a pull that finds a graph taken copies directly instead of waiting.
+Capture is thread-local, so other threads' CUDA work (an engine loop) goes on meanwhile.
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from collections.abc import Sequence
 from operator import is_
 
 import torch
 
+from splitserve.engine.transfer.gpu_copy import current_stream
+from splitserve.engine.transfer.graph_node import ScalarGraph
 from splitserve.engine.transfer.plan import TransferOp
 from splitserve.kernels._common import next_power_of_2
 
+log = logging.getLogger(__name__)
+
 _MAX_GRAPHS = 32
+
+
+_SENTINELS = (0x2F3A5C17, 0x3B1D4E29, 0x1C6E7A30)
+"""Run values the argument-rewriting graph is captured with, to find their slots: no real run
+has them (block ids of that size would be terabytes of KV). The length is a multiple of 16 like
+the zero-length warm-up run's, so both share one specialisation of the launch."""
 
 
 class _GraphCopy:
     """One captured copy launch for a fixed pool pair, layer and head range, and run bucket."""
 
     def __init__(self, srcs, dsts, heads: tuple[int, int, int], bucket: int) -> None:
-        from splitserve.kernels.pack import copy_head_block_runs
+        from splitserve.kernels.pack import NUM_WARPS, copy_grid, copy_head_block_runs
 
+        self.lock = threading.Lock()
+        """Held by one pull while it sets and launches the graph; for a memcpy-node graph, from
+        before it writes the pinned row until its copies have run."""
+        self.scalar = None
+        try:  # the run as kernel arguments (graph_node.py); compiled outside the capture first
+            copy_head_block_runs(srcs, dsts, (*_SENTINELS[:2], 0), 0, *heads, grid_blocks=bucket)
+            self.scalar = ScalarGraph(
+                lambda s0, d0, n: copy_head_block_runs(srcs, dsts, (s0, d0, n), 0, *heads, grid_blocks=bucket),
+                _SENTINELS, copy_grid(1, bucket, len(srcs)), NUM_WARPS)
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure: the memcpy-node graph below
+            _note_fallback(exc)
         device = dsts[0].device
         self.host = torch.zeros(1, 3, dtype=torch.int32, pin_memory=True)
         self.row = self.host.numpy()[0]
         table = torch.zeros(1, 3, dtype=torch.int32, device=device)
-        self.lock = threading.Lock()
-        """Held by one pull from before it writes the pinned row until its copies have run."""
         # compile (and cache the launch state) outside the capture; a zero-length run writes nothing
         copy_head_block_runs(srcs, dsts, table, bucket, *heads)
         stream = torch.cuda.Stream(device)
@@ -55,6 +79,15 @@ class _GraphCopy:
             copy_head_block_runs(srcs, dsts, table, bucket, *heads)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.table = table  # the graph reads it: kept alive with the graph
+
+
+_FALLBACK_NOTED: list[str] = []
+
+
+def _note_fallback(exc: Exception) -> None:
+    if not _FALLBACK_NOTED:
+        _FALLBACK_NOTED.append(str(exc))
+        log.info("handoff copy graphs pass runs through a memcpy node (~4 µs more per pull): %s", exc)
 
 
 _GRAPHS: dict[tuple, _GraphCopy] = {}
@@ -147,17 +180,19 @@ class PoolPairKeys:
 
 def copy_op_graph(
     op: TransferOp, src: Sequence[torch.Tensor], dst: Sequence[torch.Tensor], held: list[_GraphCopy],
-    pools: int | None = None,
+    pools: int | None = None, stream: torch.cuda.Stream | None = None,
 ) -> bool:
     """Copy a single-run `op` between two long-lived pools through a captured graph, on the
-    current stream. False (nothing done) when the op has several runs, or when another pull is
-    replaying the same graph right now: the caller copies it directly.
+    destination device's current stream (`stream`: that stream, when the caller has it). False (nothing done) when the op has
+    several runs, or when another pull is launching the same graph right now: the caller copies
+    it directly.
 
-    The graph's pinned run row may be rewritten only after the replay that read it has run, so
-    the graph's lock is taken here (without waiting: no lock order to get wrong between pulls)
+    A memcpy-node graph's pinned run row may be rewritten only after the replay that read it has
+    run, so its lock is taken here (without waiting: no lock order to get wrong between pulls)
     and put in `held`; the caller synchronises the stream its copies ran on and then calls
     `release(held)` — also when it fails. This costs no CUDA event per replay (an event record
-    and query were ~3 µs of a ~34 µs 1k-token pull on the H200 host).
+    and query were ~3 µs of a ~34 µs 1k-token pull on the H200 host). An argument-rewriting
+    graph is given back as soon as it is launched (nothing of it is read later).
     `pools`: `pools_token(src, dst)` when the caller has it (`PoolPairKeys`), else worked out here."""
     if len(op.block_runs) != 1:
         return False
@@ -180,6 +215,13 @@ def copy_op_graph(
                 graph = _GRAPHS[key] = _GraphCopy(srcs, dsts, heads, bucket)
     if not graph.lock.acquire(blocking=False):
         return False
+    if graph.scalar is not None:
+        try:
+            graph.scalar.launch((run.src_block, run.dst_block, run.num_blocks),
+                                stream or current_stream(dst[0].get_device()))
+        finally:
+            graph.lock.release()
+        return True
     held.append(graph)
     row = graph.row
     row[0], row[1], row[2] = run.src_block, run.dst_block, run.num_blocks

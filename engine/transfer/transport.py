@@ -33,9 +33,10 @@ class TransferTimeout(TransferError):
     """A transfer did not complete within its deadline (it was cancelled where possible)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TransferStats:
-    """What one `pull` moved."""
+    """What one `pull` moved. A plain slotted record, not frozen: every pull makes one, and a
+    frozen dataclass's construction cost ~0.4 µs more (1-2% of a 1k-token GPU pull)."""
 
     num_bytes: int
     seconds: float

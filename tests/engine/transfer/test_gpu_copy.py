@@ -1,5 +1,5 @@
 """GPU plan-op copies (engine/transfer/gpu_copy.py) give the plan's reference result, for whole
-blocks, head ranges (reshards) and scattered ids.
+blocks, head ranges (reshards) and scattered ids (the graph-replayed copies: test_graph_copy_gpu.py).
 CUDA only (the H200 runs it; on CPU the transports use engine/transfer/local_copy.py)."""
 
 from __future__ import annotations
@@ -48,48 +48,6 @@ def test_copy_op_cuda_matches_the_reference(case):
     gpu_copy.copy_op_cuda(op, src, dst)
     torch.cuda.synchronize()
     assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True))
-
-
-def test_graph_replayed_copies_match_the_reference_run_after_run():
-    """Single-run ops between two fixed pools go through captured graphs (engine/transfer/graph_copy.py):
-    runs of different lengths in one bucket and across buckets, whole heads and a head range, each
-    exact and touching nothing else; an op with several runs is left to the caller."""
-    from splitserve.engine.transfer import graph_copy
-
-    g = torch.Generator().manual_seed(1)
-    src = [torch.randn(2, 40, 4, 16, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(4)]
-    dst = [torch.randn(2, 30, 2, 16, 64, generator=g).to(torch.bfloat16).cuda() for _ in range(3)]
-    for run, heads in [((3, 0, 12), (2, 2)), ((1, 5, 9), (2, 2)), ((20, 1, 16), (0, 2)), ((39, 29, 1), (2, 2)),
-                       ((0, 2, 3), (2, 2))]:
-        op = _op([run], src_heads=heads)
-        expected = _expected(op, src, dst)
-        held = []
-        assert graph_copy.copy_op_graph(op, src, dst, held)
-        torch.cuda.synchronize()
-        graph_copy.release(held)
-        assert all(torch.equal(d, e) for d, e in zip(dst, expected, strict=True)), (run, heads)
-    assert not graph_copy.copy_op_graph(_op([(3, 0, 2), (20, 15, 5)], src_heads=(2, 2)), src, dst, [])
-
-
-def test_a_graph_another_pull_holds_is_not_replayed_until_released():
-    """The pinned run row belongs to the pull that replayed the graph until it has synchronised:
-    a second pull of the same shape meanwhile is told to copy directly (False, nothing held)."""
-    from splitserve.engine.transfer import graph_copy
-
-    src = [torch.randn(2, 40, 4, 16, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    dst = [torch.zeros(2, 40, 4, 16, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2)]
-    first, second = [], []
-    assert graph_copy.copy_op_graph(_op([(0, 0, 4)], src_heads=(0, 4), layers=(0, 0, 2)), src, dst, first)
-    assert not graph_copy.copy_op_graph(_op([(8, 8, 4)], src_heads=(0, 4), layers=(0, 0, 2)), src, dst, second) and not second
-    torch.cuda.synchronize()
-    graph_copy.release(first)
-    assert not first
-    assert graph_copy.copy_op_graph(_op([(8, 8, 4)], src_heads=(0, 4), layers=(0, 0, 2)), src, dst, second)
-    torch.cuda.synchronize()
-    graph_copy.release(second)
-    for s_, d_ in zip(src, dst, strict=True):
-        assert torch.equal(d_[:, :4], s_[:, :4]) and torch.equal(d_[:, 8:12], s_[:, 8:12])
-        assert not d_[:, 4:8].any()
 
 
 def test_graph_copies_keyed_by_a_remembered_pool_pair_follow_a_replaced_pool():
