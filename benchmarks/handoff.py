@@ -5,7 +5,7 @@ block 16, bf16) and exposes it; a destination process pulls one request's blocks
 transfer plan, for 1k / 8k / 32k-token prompts, per transport:
 
 - throughput: GB/s of a pull of already-written KV, and its ratio to a copy of the same bytes
-  measured in the same run, interleaved with the pulls (`ratio`: best against best of
+  measured in the same run, interleaved with the pulls in alternating order (`ratio`: best against best of
   --repeats each; `med`: median against median) (CPU: a copy between two host buffers
   holding data, with --threads threads, default 1 = memcpy; GPU: device-to-device). `reshard` pulls into a tp=2 rank (half the
   heads: a strided pattern).

@@ -173,15 +173,17 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
                     return recv_plan(plan, 0, kv, {0: 0}, group=group)
                 return transport.pull(plan, 0, {0: meta}, kv)
 
-            pull()  # warm-up: registrations, mappings, connections
+            moved = pull().num_bytes  # warm-up: registrations, mappings, connections
             times, copies = [], []
-            for _ in range(repeats):  # interleaved, so both see the same machine load
+            for i in range(repeats):  # interleaved, so both see the same machine load; in
+                if i % 2:             # alternating order, so neither always runs right after the other
+                    copies.append(_copy_time(moved, device))
                 t0 = time.perf_counter()
                 stats = pull()  # returns with the data in place (the transports' contract)
                 times.append(stats.seconds if kind == "nixl_packed" and dst_tp > 1 else time.perf_counter() - t0)
                 _sync(device)
-                copies.append(_copy_time(stats.num_bytes, device))
-            moved = stats.num_bytes
+                if not i % 2:
+                    copies.append(_copy_time(moved, device))
             prefill_s = n_tokens / prefill_tok_s
             row = dict(case=case, tokens=n_tokens, bytes=moved, gbps=moved / min(times) / 1e9,
                        copy_gbps=moved / min(copies) / 1e9, median_ratio=statistics.median(copies) / statistics.median(times),
