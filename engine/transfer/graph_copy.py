@@ -57,15 +57,16 @@ class _GraphCopy:
         """Held by one pull while it sets and launches the graph; for a memcpy-node graph, from
         before it writes the pinned row until its copies have run."""
         self.scalar = None
+        device = dsts[0].device
         try:  # the run as kernel arguments (graph_node.py); compiled outside the capture first
-            copy_head_block_runs(srcs, dsts, (*_SENTINELS[:2], 0), 0, *heads, grid_blocks=bucket)
-            self.scalar = ScalarGraph(
-                lambda s0, d0, n: copy_head_block_runs(srcs, dsts, (s0, d0, n), 0, *heads, grid_blocks=bucket),
-                _SENTINELS, copy_grid(1, bucket, len(srcs)), NUM_WARPS)
+            with torch.cuda.device(device):
+                copy_head_block_runs(srcs, dsts, (*_SENTINELS[:2], 0), 0, *heads, grid_blocks=bucket)
+                self.scalar = ScalarGraph(
+                    lambda s0, d0, n: copy_head_block_runs(srcs, dsts, (s0, d0, n), 0, *heads, grid_blocks=bucket),
+                    _SENTINELS, copy_grid(1, bucket, len(srcs)), NUM_WARPS)
             return
         except Exception as exc:  # noqa: BLE001 - any failure: the memcpy-node graph below
             _note_fallback(exc)
-        device = dsts[0].device
         self.host = torch.zeros(1, 3, dtype=torch.int32, pin_memory=True)
         self.row = self.host.numpy()[0]
         table = torch.zeros(1, 3, dtype=torch.int32, device=device)
@@ -192,7 +193,9 @@ def copy_op_graph(
     and put in `held`; the caller synchronises the stream its copies ran on and then calls
     `release(held)` — also when it fails. This costs no CUDA event per replay (an event record
     and query were ~3 µs of a ~34 µs 1k-token pull on the H200 host). An argument-rewriting
-    graph is given back as soon as it is launched (nothing of it is read later).
+    graph's lock is given back as soon as it is launched (nothing the next launch writes is read
+    by this one); it goes into `held` only to stay alive until the caller has synchronised (a
+    full graph cache may drop it meanwhile).
     `pools`: `pools_token(src, dst)` when the caller has it (`PoolPairKeys`), else worked out here."""
     if len(op.block_runs) != 1:
         return False
@@ -221,6 +224,7 @@ def copy_op_graph(
                                 stream or current_stream(dst[0].get_device()))
         finally:
             graph.lock.release()
+        held.append(graph)
         return True
     held.append(graph)
     row = graph.row
@@ -233,4 +237,6 @@ def release(held: list[_GraphCopy]) -> None:
     """Give back the graphs `copy_op_graph` took, once the stream their replays ran on has been
     synchronised."""
     while held:
-        held.pop().lock.release()
+        graph = held.pop()
+        if graph.scalar is None:  # an argument-rewriting graph's lock went back at launch
+            graph.lock.release()

@@ -42,6 +42,26 @@ def _launched_kinds() -> set[str]:
     return {"arguments" if g.scalar is not None else "memcpy_node" for g in graph_copy._GRAPHS.values()}
 
 
+def test_a_graph_dropped_from_the_cache_stays_alive_until_its_pull_has_synchronised(kind):
+    """A pull keeps the graph it launched (in `held`) until it has synchronised and released,
+    even when the graph cache is emptied meanwhile (a full cache, a lifecycle resume)."""
+    import gc
+    import weakref
+
+    src, dst = _pools(7)
+    held = []
+    assert graph_copy.copy_op_graph(_op((1, 2, 6)), src, dst, held)
+    ref = weakref.ref(held[0])
+    graph_copy.forget_pools()
+    gc.collect()
+    assert ref() is not None
+    torch.cuda.synchronize()
+    graph_copy.release(held)
+    gc.collect()
+    assert ref() is None and not held
+    assert all(torch.equal(d[:, 2:8], s[:, 1:7]) for s, d in zip(src[:2], dst[:2], strict=True))
+
+
 def test_runs_in_one_bucket_and_across_buckets_are_exact(kind):
     """Lengths 5..8 share a bucket (one graph, arguments rewritten each time); each pull copies
     exactly its run's blocks and heads into the destination and nothing else."""
@@ -65,13 +85,16 @@ def test_runs_in_one_bucket_and_across_buckets_are_exact(kind):
 def test_an_argument_graph_is_launched_again_before_the_first_copy_has_run(kind):
     """An argument-rewriting graph is free again once launched: the executable graph's update does
     not touch the launch already queued, so back-to-back pulls of one shape both land, each with
-    its own run. A memcpy-node graph stays with the pull that replayed it until released."""
+    its own run (each pull still holds the graph object until it has synchronised). A memcpy-node
+    graph stays with the pull that replayed it until released."""
     src, dst = _pools(4)
     first, second = [], []
     assert graph_copy.copy_op_graph(_op((0, 0, 4)), src, dst, first)
     again = graph_copy.copy_op_graph(_op((8, 8, 4)), src, dst, second)
     if kind == "arguments":
-        assert again and not first and not second
+        assert again and len(first) == 1 and first[0] is second[0]
+        torch.cuda.synchronize()
+        graph_copy.release(first)
     else:
         assert not again and not second and len(first) == 1
         torch.cuda.synchronize()
