@@ -56,6 +56,9 @@ def main() -> None:
                    help="torch threads of both processes (the pulls' local copies and the plain copy use them alike; "
                         "1 = a plain memcpy, and robust on a shared machine)")
     p.add_argument("--no-exposed", action="store_true", help="throughput only: skip the exposed-time runs")
+    p.add_argument("--cpus", default=None, metavar="SRC,DST",
+                   help="pin the source and destination processes to these CPU cores (steadier µs-scale GPU "
+                        "pulls: a 1k-token pull's host time moved with the core each run landed on)")
     args = p.parse_args()
     device = "cuda" if args.gpu else "cpu"
     kinds = (args.transports or ("cuda_ipc,nixl" if args.gpu else "shm,nixl_packed,torch_dist")).split(",")
@@ -79,6 +82,9 @@ def main() -> None:
                                     not args.no_exposed, args.threads, out))
             src.start()
             dst.start()
+            if args.cpus:  # set as they start: threads they create later (UCX, NIXL) inherit it
+                for proc, cpu in zip((src, dst), args.cpus.split(","), strict=True):
+                    os.sched_setaffinity(proc.pid, {int(cpu)})
             try:
                 rows = out.get(timeout=900)
             except Exception as exc:  # report and go on with the next transport
