@@ -184,9 +184,9 @@ def copy_op_graph(
     pools: int | None = None, stream: torch.cuda.Stream | None = None,
 ) -> bool:
     """Copy a single-run `op` between two long-lived pools through a captured graph, on the
-    destination device's current stream (`stream`: that stream, when the caller has it). False (nothing done) when the op has
-    several runs, or when another pull is launching the same graph right now: the caller copies
-    it directly.
+    destination device's current stream (`stream`: that stream, when the caller has it). False
+    (nothing done) when the op has several runs, or when another pull is launching the same
+    graph right now: the caller copies it directly.
 
     A memcpy-node graph's pinned run row may be rewritten only after the replay that read it has
     run, so its lock is taken here (without waiting: no lock order to get wrong between pulls)
