@@ -32,7 +32,7 @@ from operator import is_
 import torch
 
 from splitserve.engine.transfer.gpu_copy import current_stream
-from splitserve.engine.transfer.graph_node import ScalarGraph
+from splitserve.engine.transfer.graph_node import ScalarGraph, capture_graph
 from splitserve.engine.transfer.plan import TransferOp
 from splitserve.kernels._common import next_power_of_2
 
@@ -72,13 +72,12 @@ class _GraphCopy:
         table = torch.zeros(1, 3, dtype=torch.int32, device=device)
         # compile (and cache the launch state) outside the capture; a zero-length run writes nothing
         copy_head_block_runs(srcs, dsts, table, bucket, *heads)
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
+
+        def replay_body() -> None:
             table.copy_(self.host, non_blocking=True)
             copy_head_block_runs(srcs, dsts, table, bucket, *heads)
-        torch.cuda.current_stream(device).wait_stream(stream)
+
+        self.graph = capture_graph(replay_body, device)
         self.table = table  # the graph reads it: kept alive with the graph
 
 

@@ -98,6 +98,18 @@ def _check(result: int, what: str) -> None:
         raise Unsupported(f"{what} failed (CUresult {result})")
 
 
+def capture_graph(fn: Callable[[], None], device, keep_graph: bool = False) -> torch.cuda.CUDAGraph:
+    """`fn`'s CUDA work captured on a side stream of `device`, ordered after the current stream's
+    work; thread-local capture, so other threads' CUDA work (an engine loop) goes on meanwhile."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph(keep_graph=keep_graph)
+    with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
+        fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return graph
+
+
 class ScalarGraph:
     """A graph of one kernel launch, captured by `capture(*sentinels)` on the current device, whose
     int32 arguments that held the sentinels are set by `launch(values, stream)`."""
@@ -108,12 +120,7 @@ class ScalarGraph:
         if lib is None:
             raise Unsupported("the CUDA driver library cannot be used from ctypes here")
         self.device = torch.cuda.current_device()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        self.graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(self.graph, stream=stream, capture_error_mode="thread_local"):
-            capture(*sentinels)
-        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = capture_graph(lambda: capture(*sentinels), self.device, keep_graph=True)
         self.graph.instantiate()
         raw = ctypes.c_void_p(self.graph.raw_cuda_graph())
         count = ctypes.c_size_t(0)
