@@ -124,12 +124,25 @@ class CudaIpcTransport(KVTransport):
         timeout_s: float = 30.0,
     ) -> TransferStats:
         start = time.perf_counter()
+        mapped = {src_rank: self.open(remote[src_rank]) for src_rank in needed_sources(plan, dst_rank, remote)}
+        return self.pull_mapped(plan, dst_rank, mapped, kv_tensors, start)
+
+    def pull_mapped(
+        self,
+        plan: TransferPlan,
+        dst_rank: int,
+        mapped: Mapping[int, tuple[torch.Tensor, ...]],
+        kv_tensors: Sequence[torch.Tensor],
+        start: float,
+    ) -> TransferStats:
+        """`pull` from pools `open` has mapped already (`mapped`: every source rank the plan reads
+        for `dst_rank`), timed from `start` (a `time.perf_counter()`): NIXL's same-host path
+        (nixl_same_host.py) maps before it decides, and would otherwise look everything up twice."""
         stream = current_stream(kv_tensors[0].get_device())
         num_bytes = num_ops = 0
         held: list = []  # graphs replayed by this pull: theirs until the copies have run
         try:
-            for src_rank in needed_sources(plan, dst_rank, remote):
-                src = self.open(remote[src_rank])
+            for src_rank, src in mapped.items():
                 pools = self._pool_keys.key(src, kv_tensors) if self._graphs else None
                 ops = plan.ops_for_pair(src_rank, dst_rank)
                 for op in ops:

@@ -23,16 +23,16 @@ import torch
 from splitserve.engine.transfer.plan import TransferOp
 
 _STREAMS: dict[tuple, torch.cuda.Stream] = {}
+_RAW_LOOKUP = getattr(torch._C, "_cuda_getCurrentStream", None)
 
 
 def current_stream(index: int) -> torch.cuda.Stream:
     """`torch.cuda.current_stream(index)` without building a new Stream object per call: that
     cost ~3 µs of Python on the H200 host (~2% of an 8k-token pull, benchmarks/RESULTS.md
     2026-12-02 session 6); the raw (id, device, type) lookup underneath costs 0.25 µs."""
-    raw_lookup = getattr(torch._C, "_cuda_getCurrentStream", None)
-    if raw_lookup is None:  # a torch without the private lookup: the public call
+    if _RAW_LOOKUP is None:  # a torch without the private lookup: the public call
         return torch.cuda.current_stream(index)
-    raw = raw_lookup(index)
+    raw = _RAW_LOOKUP(index)
     stream = _STREAMS.get(raw)
     if stream is None:
         if len(_STREAMS) >= 64:

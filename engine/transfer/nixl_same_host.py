@@ -76,29 +76,30 @@ class SameHostPath:
         """Pulls served by the shortcut (the tests read it)."""
 
     def pull(self, plan: TransferPlan, dst_rank: int, sources: Mapping[int, NixlEndpoint],
-             kv_tensors: Sequence[torch.Tensor], timeout_s: float = 30.0) -> TransferStats | None:
-        """The pull done over CUDA IPC, or None (nothing done) when some source is elsewhere,
-        unmappable, or the destination pool is not in VRAM."""
+             kv_tensors: Sequence[torch.Tensor], start: float) -> TransferStats | None:
+        """The pull done over CUDA IPC (timed from `start`, a `time.perf_counter()`), or None
+        (nothing done) when some source is elsewhere, unmappable, or the destination pool is not
+        in VRAM. `sources`: the plan's source ranks for `dst_rank`, each one's parsed endpoint."""
         if not (self._enabled and self._host and kv_tensors[0].is_cuda):
             return None
-        remote: dict[int, str] = {}
-        for rank, ep in sources.items():
+        for ep in sources.values():
             if not ep.ipc_handles or ep.ipc_host != self._host or ep.ipc_handles in self._failed:
                 return None
-            remote[rank] = ep.ipc_handles  # a parsed endpoint is reused (NixlTransport._parse): its hash is cached
         if self._ipc is None:
             from splitserve.engine.transfer.cuda_ipc import CudaIpcTransport
 
             self._ipc = CudaIpcTransport()
-        for key in remote.values():  # map first: a failure falls back before anything is copied
+        mapped = {}
+        for rank, ep in sources.items():  # map first: a failure falls back before anything is copied
             try:
-                self._ipc.open(key)
+                # a parsed endpoint is reused (NixlTransport._parse): its handles' hash is cached
+                mapped[rank] = self._ipc.open(ep.ipc_handles)
             except TransferError as exc:
-                self._failed.add(key)
+                self._failed.add(ep.ipc_handles)
                 log.warning("a same-host source's KV pool cannot be mapped over CUDA IPC (%s); "
                             "pulling it with NIXL reads instead", exc)
                 return None
-        stats = self._ipc.pull(plan, dst_rank, remote, kv_tensors, timeout_s)
+        stats = self._ipc.pull_mapped(plan, dst_rank, mapped, kv_tensors, start)
         self.pulls += 1
         return stats
 

@@ -16,7 +16,6 @@ Leave `UCX_TLS` unset on one host: UCX then moves DRAM through shared memory (~4
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import uuid
@@ -100,7 +99,7 @@ class NixlTransport(NixlPackedSource, KVTransport):
         self._staging: list[torch.Tensor] = []  # nixl_staging.py: two registered uint8 buffers
         self._staging_device = torch.device("cpu")
         self._registered: dict[tuple[int, int], object] = {}  # (addr, nbytes) -> reg descs
-        self._remote_names: dict[bytes, str] = {}  # sha256(agent metadata) -> agent name
+        self._remote_names: dict[bytes, str] = {}  # agent metadata -> agent name
         self._endpoints: dict[bytes, NixlEndpoint] = {}  # endpoint metadata -> parsed (_parse)
         self._endpoints_ok: dict[tuple[int, int], tuple[NixlEndpoint, KVLayout]] = {}  # checks passed
         self._check_dst = HeldPoolCheck()  # the destination pool, pull after pull
@@ -150,11 +149,14 @@ class NixlTransport(NixlPackedSource, KVTransport):
         return ep
 
     def _remote_agent(self, agent_metadata: bytes) -> str:
-        key = hashlib.sha256(agent_metadata).digest()
-        if key not in self._remote_names:
+        """The name NIXL gave the peer agent, added once per metadata. Keyed by the metadata
+        itself: it comes from a remembered parsed endpoint (`_parse`), whose bytes object keeps
+        its hash, where a digest was computed per pull."""
+        name = self._remote_names.get(agent_metadata)
+        if name is None:
             name = self._agent.add_remote_agent(agent_metadata)
-            self._remote_names[key] = name.decode() if isinstance(name, bytes) else name
-        return self._remote_names[key]
+            name = self._remote_names[bytes(agent_metadata)] = name.decode() if isinstance(name, bytes) else name
+        return name
 
     def pull(
         self,
@@ -167,7 +169,6 @@ class NixlTransport(NixlPackedSource, KVTransport):
         if self._closed:
             raise TransferError(f"NIXL agent {self.name} is closed")
         start = time.perf_counter()
-        deadline = time.monotonic() + timeout_s
         dst_pool = self._check_dst(kv_tensors, plan.dst, dst_rank)
         endpoints = {rank: self._parse(remote[rank]) for rank in needed_sources(plan, dst_rank, remote)}
         for src_rank, ep in endpoints.items():
@@ -177,9 +178,10 @@ class NixlTransport(NixlPackedSource, KVTransport):
                 if len(self._endpoints_ok) >= 64:
                     self._endpoints_ok.clear()
                 self._endpoints_ok[(id(ep), src_rank)] = (ep, plan.src)
-        shortcut = self._same_host.pull(plan, dst_rank, endpoints, kv_tensors, timeout_s)
+        shortcut = self._same_host.pull(plan, dst_rank, endpoints, kv_tensors, start)
         if shortcut is not None:  # every source on this host, VRAM to VRAM: mapped over CUDA IPC
             return shortcut
+        deadline = time.monotonic() + timeout_s
         self._register(kv_tensors)
         self._staging_device = kv_tensors[0].device
         local_mem, local_dev = _mem(kv_tensors[0])

@@ -1,6 +1,8 @@
 """Proto <-> dataclass conversion of the handoff messages (engine/wire.py): what goes out comes
 back equal, the recurrent state of a hybrid model's handoff included."""
 
+from dataclasses import replace
+
 import pytest
 
 from splitserve.engine.handoff import HandoffDescriptor, RankEndpoint
@@ -8,7 +10,13 @@ from splitserve.engine.handoff_push import PushRequest, StatePush
 from splitserve.engine.state_handoff import StateHandoff
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.state_plan import StateLayout
-from splitserve.engine.wire import descriptor_from_proto, descriptor_to_proto, push_from_proto, push_to_proto
+from splitserve.engine.wire import (
+    EndpointInterner,
+    descriptor_from_proto,
+    descriptor_to_proto,
+    push_from_proto,
+    push_to_proto,
+)
 from splitserve.proto.v1 import handoff_pb2
 
 KV = KVLayout(dtype="float32", block_size=8, tp=2, pp=1, num_layers=2, num_kv_heads=2, head_dim=16,
@@ -62,3 +70,36 @@ def test_push_request_round_trips(state):
     push = PushRequest(request_id="r1", dst_layout=KV, dst_block_ids=() if state else (1, 2), first_block=0,
                        decode_worker_id="d", group_key=None, backend="gloo", timeout_s=2.5, state=state)
     assert push_from_proto(push_to_proto(push)) == push
+
+
+def test_equal_endpoint_metadata_comes_back_as_one_object():
+    """Request after request from one prefill worker: the same bytes object, so the transports'
+    metadata lookups hit cached hashes; changed metadata (a re-exposed pool) or another worker's
+    is never swapped for an old object."""
+    state = StateHandoff(STATE, slot=3, checksum=5, endpoints={0: b"s0" * 5000, 1: b"s1"})
+    desc = replace(_descriptor(state), endpoints={r: RankEndpoint(r, "10.0.0.1:5", b"m%d" % r * 7000) for r in range(2)})
+
+    def parsed(d):
+        return descriptor_from_proto(handoff_pb2.HandoffDescriptor.FromString(descriptor_to_proto(d).SerializeToString()))
+
+    first, second = parsed(desc), parsed(desc)
+    assert first == second == desc
+    for r in range(2):
+        assert second.endpoints[r].agent_metadata is first.endpoints[r].agent_metadata
+        assert second.state.endpoints[r] is first.state.endpoints[r]
+    moved = replace(desc, endpoints={**desc.endpoints, 0: RankEndpoint(0, "10.0.0.1:5", b"n0" * 7000)})
+    assert parsed(moved).endpoints[0].agent_metadata == b"n0" * 7000
+    other = replace(desc, endpoints={r: RankEndpoint(r, "10.0.0.2:5", b"m%d" % r * 7000) for r in range(2)})
+    got = parsed(other)
+    assert got.endpoints[1].agent_metadata == desc.endpoints[1].agent_metadata
+    assert got.endpoints[1].agent_metadata is not first.endpoints[1].agent_metadata  # keyed by address too
+    assert parsed(desc).endpoints[0].agent_metadata == desc.endpoints[0].agent_metadata  # back to the first
+
+
+def test_endpoint_interner_forgets_past_its_limit():
+    interner = EndpointInterner(limit=2)
+    a = interner(("x", 0), bytes(bytearray(b"abc")))
+    assert interner(("x", 0), bytes(bytearray(b"abc"))) is a
+    interner(("y", 0), b"1")
+    interner(("z", 0), b"2")  # the third key starts the table over
+    assert interner(("x", 0), bytes(bytearray(b"abc"))) is not a

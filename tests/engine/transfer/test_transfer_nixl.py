@@ -203,10 +203,10 @@ def test_the_same_host_shortcut_stays_out_of_cpu_pools_and_other_hosts(monkeypat
     assert NixlEndpoint.from_bytes(NixlEndpoint(**base).to_bytes()).ipc_handles == ""  # the older form reads
     path = nixl_same_host.SameHostPath()
     here = NixlEndpoint(**base, ipc_host=nixl_same_host.host_identity(), ipc_handles='[{"h": 1}]')
-    assert path.pull(None, 0, {0: here}, cpu_pool) is None  # a CPU destination pool: NIXL
+    assert path.pull(None, 0, {0: here}, cpu_pool, 0.0) is None  # a CPU destination pool: NIXL
     if torch.cuda.is_available():
         gpu_pool = [t.cuda() for t in cpu_pool]
-        assert path.pull(None, 0, {0: ep}, gpu_pool) is None  # another host: NIXL
+        assert path.pull(None, 0, {0: ep}, gpu_pool, 0.0) is None  # another host: NIXL
         monkeypatch.setenv("SPLITSERVE_NIXL_CUDA_IPC", "0")  # read when a transport starts
-        assert nixl_same_host.SameHostPath().pull(None, 0, {0: here}, gpu_pool) is None  # turned off
+        assert nixl_same_host.SameHostPath().pull(None, 0, {0: here}, gpu_pool, 0.0) is None  # turned off
     assert path.pulls == 0
