@@ -121,8 +121,6 @@ def pull_nixl(
     timeout_s: float = 30.0,
 ) -> TransferStats:
     """`sources[src_rank] = (kv endpoint bytes, state endpoint bytes, regions)`: one NIXL READ per source."""
-    from splitserve.engine.transfer.nixl_endpoint import NixlEndpoint
-
     start = time.perf_counter()
     agent = transport._agent
     transport._register(list(dst))
@@ -141,7 +139,9 @@ def pull_nixl(
                               np.full(len(regions), local_dev)], axis=1).astype(np.uint64)
             far = np.stack([remote_addrs[regions.src_layer] + regions.src_offset, regions.num_bytes,
                             np.full(len(regions), ep["device"])], axis=1).astype(np.uint64)
-            name = transport._remote_agent(NixlEndpoint.from_bytes(kv_endpoint).agent_metadata)
+            # the KV endpoint as the KV pull parsed and remembered it (a VRAM one carries ~13 KB of CUDA
+            # IPC handles: parsing it per pull was ~0.1 ms on the H200 host); its agent metadata keeps its hash
+            name = transport._remote_agent(transport._parse(kv_endpoint).agent_metadata)
             handle = agent.initialize_xfer("READ", agent.get_xfer_descs(local, local_mem),
                                            agent.get_xfer_descs(far, ep["mem"]), name)
             if agent.transfer(handle) == "ERR":
