@@ -95,21 +95,28 @@ def _unit_sums(t: torch.Tensor, idx: torch.Tensor, local: torch.Tensor, block_id
 
 
 _ROW = 64
-"""Words per row of the float32 form (`_half_sums`)."""
+"""Words per row of the row/column forms (`_half_sums`)."""
 
 _UNITS_PER_SLICE = 128
+"""Units per slice of the float32 form: its float32 copy stays in L2."""
+
+_SLICE_BYTES = 2 << 20
+"""Bytes of words per slice of the integer form: read twice (rows, then columns) from L2."""
+
+CPU_INTEGER_FORM = True
+"""Reduce CPU words with the integer form; False takes the float32 form there too (its A/B
+in benchmarks/checksums.py — both give the same sums)."""
 
 
 def _half_sums(words: torch.Tensor) -> torch.Tensor:
     """int64 [units, 2]: (Σ w_i, Σ i·w_i), i = 1..m, of uint16 words [units, m].
 
-    float32 where every partial sum is an integer below 2^24, so exact in any summation order:
-    the words of a unit as rows of 64 (i = 64a + b + 1), row sums R_a (≤ 64·65535) and column
-    sums C_b (≤ (m/64)·65535, m ≤ 16384), then Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b in
-    int64 over the few R and C. 4-6 GB/s on one core of this machine against ~1 GB/s for a
-    float64 GEMV per unit (a uint16 → float64 copy is 4 bytes written per byte read; float32
-    and two sums, 2). Slices of `_UNITS_PER_SLICE` units keep the float32 copy in L2.
-    Elsewhere (m not a multiple of 64, or above 16384) the float64 GEMV, exact below 2^53.
+    The words of a unit as rows of 64 (i = 64a + b + 1): row sums R_a and column sums C_b, then
+    Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b in int64 over the few R and C. On CPU
+    (`_half_sums_int`) R and C are reduced from the uint16 words straight into int32 — exact
+    (R ≤ 64·65535, C ≤ 256·65535) and no widened copy of the words. Elsewhere in float32, exact
+    because every partial sum is an integer below 2^24 (torch's CUDA reductions need not take
+    uint16). Other shapes (m not a multiple of 64, or above 16384): a float64 GEMV, exact below 2^53.
     """
     units, m = words.shape
     if m % _ROW or m // _ROW > 256:
@@ -117,6 +124,10 @@ def _half_sums(words: torch.Tensor) -> torch.Tensor:
                              torch.arange(1, m + 1, dtype=torch.float64, device=words.device)], dim=1)  # fmt: skip
         return torch.cat([words[s:s + _UNITS_PER_SLICE].to(torch.float64) @ basis
                           for s in range(0, units, _UNITS_PER_SLICE)]).to(torch.int64)  # fmt: skip
+    a = torch.arange(0, m, _ROW, dtype=torch.int64, device=words.device)  # 64·a
+    b = torch.arange(1, _ROW + 1, dtype=torch.int64, device=words.device)
+    if words.is_cpu and CPU_INTEGER_FORM:
+        return _half_sums_int(words, a, b)
     rows, cols = [], []
     for s in range(0, units, _UNITS_PER_SLICE):
         x = words[s:s + _UNITS_PER_SLICE].to(torch.float32).view(-1, m // _ROW, _ROW)
@@ -124,9 +135,25 @@ def _half_sums(words: torch.Tensor) -> torch.Tensor:
         cols.append(x.sum(1))
     r = torch.cat(rows).to(torch.int64)  # [units, m/64]
     c = torch.cat(cols).to(torch.int64)  # [units, 64]
-    a = torch.arange(m // _ROW, dtype=torch.int64, device=words.device)
-    b = torch.arange(1, _ROW + 1, dtype=torch.int64, device=words.device)
-    return torch.stack([r.sum(-1), _ROW * (r * a).sum(-1) + (c * b).sum(-1)], dim=1)
+    return torch.stack([r.sum(-1), (r * a).sum(-1) + (c * b).sum(-1)], dim=1)  # no int64 matmul on CUDA
+
+
+def _half_sums_int(words: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The CPU form of `_half_sums`: 2-3x the float32 form on one core of this machine (uint16
+    sums into int32 run at ~8 GB/s; the float32 form first writes 4 bytes per word), in slices
+    of `_SLICE_BYTES` so the column pass reads the words from L2, each slice's few int64 results
+    written in place (fresh multi-MB intermediates cost page faults on every call)."""
+    units, m = words.shape
+    out = torch.empty(units, 2, dtype=torch.int64)
+    step = max(1, _SLICE_BYTES // (2 * m))
+    for s in range(0, units, step):
+        x = words[s:s + step].view(-1, m // _ROW, _ROW)
+        r = x.sum(-1, dtype=torch.int32).to(torch.int64)  # [slice, m/64]
+        c = x.sum(1, dtype=torch.int32).to(torch.int64)  # [slice, 64]
+        o = out[s:s + step]
+        torch.sum(r, -1, out=o[:, 0])
+        torch.add(r @ a, c @ b, out=o[:, 1])
+    return out
 
 
 def _unit_multipliers(layout: KVLayout, layer: int, heads: Sequence[int]) -> list[int]:

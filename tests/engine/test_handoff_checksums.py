@@ -5,7 +5,7 @@ s1 = Σ w_i, s2 = Σ i·w_i over the unit's 16-bit words (its K slab then its V 
 import pytest
 import torch
 
-from splitserve.engine.handoff_checksums import PRIME, partial_block_checksums
+from splitserve.engine.handoff_checksums import PRIME, _half_sums, partial_block_checksums
 from splitserve.engine.transfer.layout import KVLayout
 
 
@@ -57,3 +57,15 @@ def test_a_flipped_high_bit_changes_only_its_block():
     kv[1].view(torch.int16)[1, 2, 1, 15, 63] ^= -32768  # the top bit of a V word of block 2
     after = partial_block_checksums(kv, layout, 0, [0, 1, 2, 3])
     assert (after != before).any(-1).tolist() == [False, False, True, False]
+
+
+@pytest.mark.parametrize("m", [64, 1024, 16384])
+def test_half_sums_exact_at_the_largest_words(m):
+    """All words 0xFFFF (and a random tail) at the widest row count the integer form takes
+    (m / 64 = 256 rows): its int32 row and column sums must not overflow."""
+    words = torch.full((3, m), -1, dtype=torch.int16)
+    words[2] = torch.randint(-(1 << 15), 1 << 15, (m,), generator=torch.Generator().manual_seed(5), dtype=torch.int16)
+    wide = words.to(torch.int64) & 0xFFFF
+    i = torch.arange(1, m + 1, dtype=torch.int64)
+    want = torch.stack([wide.sum(-1), (wide * i).sum(-1)], dim=1)
+    assert torch.equal(_half_sums(words.view(torch.uint16)), want)
