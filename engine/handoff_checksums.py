@@ -7,6 +7,7 @@ the same on any TP/PP layout (see engine/handoff.py). Every rank computes its sh
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -56,8 +57,11 @@ def partial_block_checksums(
 
         mult = _multipliers(layout, layer_start, len(kv_tensors), tuple(heads), device)
         return kernels.kv_block_checksums(kv_tensors, idx, local, mult)
+    runs = _runs(block_ids)
+    where = _Units(idx, local, runs if len(runs) * _MIN_RUN <= len(block_ids) else None,
+                   all_heads=len(heads) == h1 - h0 and kv_tensors[0].shape[2] == len(heads))  # fmt: skip
     for i in range(len(kv_tensors)) if layers is None else layers:
-        s1, s2 = _unit_sums(kv_tensors[i], idx, local, block_ids)  # [n, h] each, < PRIME
+        s1, s2 = _unit_sums(kv_tensors[i], where)  # [n, h] each, < PRIME
         mult = torch.as_tensor(_unit_multipliers(layout, layer_start + i, heads), dtype=torch.int64, device=device)
         total[:, 0] += (s1 * mult % PRIME).sum(-1)
         total[:, 1] += (s2 * mult % PRIME).sum(-1)
@@ -65,7 +69,34 @@ def partial_block_checksums(
     return total
 
 
-def _unit_sums(t: torch.Tensor, idx: torch.Tensor, local: torch.Tensor, block_ids: Sequence[int]):
+_MIN_RUN = 8
+"""Blocks per run (on average) from which a request's blocks are read run by run where they lie
+rather than gathered: a run costs a few torch calls (~10 µs), a gather ~2 µs a 16 KB block."""
+
+
+class _Units(NamedTuple):
+    """Where one rank's units of a request lie in every layer tensor: the block ids (`idx`), the
+    local heads counted (`local`), the block ids' runs [(first, count)] when they are few enough
+    to read in place (None: gather), and whether `local` is every head of the tensor."""
+
+    idx: torch.Tensor
+    local: torch.Tensor
+    runs: list[tuple[int, int]] | None
+    all_heads: bool
+
+
+def _runs(block_ids: Sequence[int]) -> list[tuple[int, int]]:
+    """[(first id, count)] of the maximal runs of consecutive ids, in order."""
+    runs: list[tuple[int, int]] = []
+    for b in block_ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+def _unit_sums(t: torch.Tensor, where: _Units):
     """(s1, s2) of every (block, head) unit of one layer tensor [2, NB, H, bs, d]: int64 [n, h] each.
 
     A unit's words are its K slab then its V slab (M words each), weighted 1..2M. Rather than
@@ -73,87 +104,89 @@ def _unit_sums(t: torch.Tensor, idx: torch.Tensor, local: torch.Tensor, block_id
     halves combine as s2 = K·i + V·i + M·ΣV; the mod comes once at the end — the same values as
     reducing the unit's words in order, several times faster than int64 elementwise passes.
     """
-    n, h = len(block_ids), local.numel()
-    is_run = n and list(block_ids) == list(range(block_ids[0], block_ids[0] + n))
-    all_heads = h == t.shape[2] and torch.equal(local, torch.arange(h, device=local.device))
+    idx, local = where.idx, where.local
+    n, h = idx.numel(), local.numel()
     m = t[0, 0, 0].numel() * t.element_size() // 2  # words per half-unit
     if 65535 * m * (m + 1) // 2 * 2 >= 1 << 53:  # float64 would round: reduce in int64
         x = t.index_select(1, idx).index_select(2, local)
         words = _words(x.permute(1, 2, 0, 3, 4)).reshape(n, h, -1)
         weights = torch.arange(1, words.shape[-1] + 1, dtype=torch.int64, device=t.device)
         return words.sum(-1) % PRIME, ((words * weights) % PRIME).sum(-1) % PRIME
-    sums = []
-    for half in t:  # K, then V: [NB, H, bs, d]
-        y = half.narrow(0, block_ids[0], n) if is_run else half.index_select(0, idx)  # a run: no gather
-        if not all_heads:
-            y = y.index_select(1, local)
-        sums.append(_half_sums(y.contiguous().view(torch.uint16).reshape(n * h, m)))
-    k, v = sums  # [units, 2]: (Σw, Σ i·w) per half
+    k, v = (_half_sums(_pieces(half, where, m)) for half in t)  # K, then V: [units, 2] = (Σw, Σ i·w)
     s1 = k[:, 0] + v[:, 0]
     s2 = k[:, 1] + v[:, 1] + m * v[:, 0]
     return (s1 % PRIME).reshape(n, h), (s2 % PRIME).reshape(n, h)
 
 
+def _pieces(half: torch.Tensor, where: _Units, m: int) -> list[torch.Tensor]:
+    """One half [NB, H, bs, d] of a layer's units as uint16 word pieces [units, m], in order: the
+    runs of blocks as they lie (whole heads) or gathered a slice at a time (then the gathered
+    copy is read back from cache, not memory)."""
+    step = max(1, _SLICE_WORDS // (where.local.numel() * m))
+    if where.runs is not None and where.all_heads:
+        spans = [half.narrow(0, first, count) for first, count in where.runs]
+    elif where.runs is not None:
+        spans = [half.narrow(0, first + s, min(step, count - s)).index_select(1, where.local)
+                 for first, count in where.runs for s in range(0, count, step)]  # fmt: skip
+    else:
+        spans = [half.index_select(0, where.idx[s:s + step]) for s in range(0, where.idx.numel(), step)]
+        if not where.all_heads:
+            spans = [y.index_select(1, where.local) for y in spans]
+    return [y.view(torch.uint16).reshape(-1, m) for y in spans]
+
+
 _ROW = 64
-"""Words per row of the row/column forms (`_half_sums`)."""
+"""Words per row of the row/column form (`_half_sums`)."""
 
 _UNITS_PER_SLICE = 128
-"""Units per slice of the float32 form: its float32 copy stays in L2."""
+"""Units per slice of the float64 form."""
 
-_SLICE_BYTES = 2 << 20
-"""Bytes of words per slice of the integer form: read twice (rows, then columns) from L2."""
+_SLICE_WORDS = 1 << 20
+"""Words per slice of the row/column form: its widened copy (4 MB) is reused slice after slice."""
 
 CPU_INTEGER_FORM = True
-"""Reduce CPU words with the integer form; False takes the float32 form there too (its A/B
-in benchmarks/checksums.py — both give the same sums)."""
+"""Sum CPU words in int32 (False: in float32, the CUDA form; both exact and equal). A knob for
+the A/B in benchmarks/checksums.py."""
 
 
-def _half_sums(words: torch.Tensor) -> torch.Tensor:
-    """int64 [units, 2]: (Σ w_i, Σ i·w_i), i = 1..m, of uint16 words [units, m].
+def _half_sums(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [units, 2]: (Σ w_i, Σ i·w_i), i = 1..m, of the units of uint16 word pieces [u, m].
 
     The words of a unit as rows of 64 (i = 64a + b + 1): row sums R_a and column sums C_b, then
-    Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b in int64 over the few R and C. On CPU
-    (`_half_sums_int`) R and C are reduced from the uint16 words straight into int32 — exact
-    (R ≤ 64·65535, C ≤ 256·65535) and no widened copy of the words. Elsewhere in float32, exact
-    because every partial sum is an integer below 2^24 (torch's CUDA reductions need not take
-    uint16). Other shapes (m not a multiple of 64, or above 16384): a float64 GEMV, exact below 2^53.
+    Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b in int64 over the few R and C. R and C are
+    reduced from a widened copy of each slice of units (torch's sums do not read uint16 without
+    a widening copy of their own, one per sum: widening once feeds both), exact because every
+    partial sum is an integer below 2^24 (R ≤ 64·65535, C ≤ 256·65535). On CPU in int32, ~20%
+    faster than float32 on one core of this machine (benchmarks/checksums.py); on CUDA in
+    float32. Other shapes (m not a multiple of 64, or above 16384): a float64 GEMV, exact below 2^53.
     """
-    units, m = words.shape
+    m = pieces[0].shape[1]
+    device = pieces[0].device
     if m % _ROW or m // _ROW > 256:
-        basis = torch.stack([torch.ones(m, dtype=torch.float64, device=words.device),
-                             torch.arange(1, m + 1, dtype=torch.float64, device=words.device)], dim=1)  # fmt: skip
-        return torch.cat([words[s:s + _UNITS_PER_SLICE].to(torch.float64) @ basis
-                          for s in range(0, units, _UNITS_PER_SLICE)]).to(torch.int64)  # fmt: skip
-    a = torch.arange(0, m, _ROW, dtype=torch.int64, device=words.device)  # 64·a
-    b = torch.arange(1, _ROW + 1, dtype=torch.int64, device=words.device)
-    if words.is_cpu and CPU_INTEGER_FORM:
-        return _half_sums_int(words, a, b)
-    rows, cols = [], []
-    for s in range(0, units, _UNITS_PER_SLICE):
-        x = words[s:s + _UNITS_PER_SLICE].to(torch.float32).view(-1, m // _ROW, _ROW)
-        rows.append(x.sum(-1))
-        cols.append(x.sum(1))
-    r = torch.cat(rows).to(torch.int64)  # [units, m/64]
-    c = torch.cat(cols).to(torch.int64)  # [units, 64]
+        basis = torch.stack([torch.ones(m, dtype=torch.float64, device=device),
+                             torch.arange(1, m + 1, dtype=torch.float64, device=device)], dim=1)  # fmt: skip
+        return torch.cat([p[s:s + _UNITS_PER_SLICE].to(torch.float64) @ basis
+                          for p in pieces for s in range(0, p.shape[0], _UNITS_PER_SLICE)]).to(torch.int64)  # fmt: skip
+    units = sum(p.shape[0] for p in pieces)
+    dtype = torch.int32 if device.type == "cpu" and CPU_INTEGER_FORM else torch.float32
+    step = max(1, _SLICE_WORDS // m)
+    wide = torch.empty(min(step, max(p.shape[0] for p in pieces)), m, dtype=dtype, device=device)
+    rows = torch.empty(units, m // _ROW, dtype=dtype, device=device)
+    cols = torch.empty(units, _ROW, dtype=dtype, device=device)
+    done = 0
+    for p in pieces:
+        for s in range(0, p.shape[0], step):
+            x = wide[: min(step, p.shape[0] - s)]
+            x.copy_(p[s:s + step])
+            k = x.shape[0]
+            x = x.view(k, m // _ROW, _ROW)
+            torch.sum(x, -1, out=rows[done:done + k])
+            torch.sum(x, 1, out=cols[done:done + k])
+            done += k
+    r, c = rows.to(torch.int64), cols.to(torch.int64)
+    a = torch.arange(0, m, _ROW, dtype=torch.int64, device=device)  # 64·a
+    b = torch.arange(1, _ROW + 1, dtype=torch.int64, device=device)
     return torch.stack([r.sum(-1), (r * a).sum(-1) + (c * b).sum(-1)], dim=1)  # no int64 matmul on CUDA
-
-
-def _half_sums_int(words: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The CPU form of `_half_sums`: 2-3x the float32 form on one core of this machine (uint16
-    sums into int32 run at ~8 GB/s; the float32 form first writes 4 bytes per word), in slices
-    of `_SLICE_BYTES` so the column pass reads the words from L2, each slice's few int64 results
-    written in place (fresh multi-MB intermediates cost page faults on every call)."""
-    units, m = words.shape
-    out = torch.empty(units, 2, dtype=torch.int64)
-    step = max(1, _SLICE_BYTES // (2 * m))
-    for s in range(0, units, step):
-        x = words[s:s + step].view(-1, m // _ROW, _ROW)
-        r = x.sum(-1, dtype=torch.int32).to(torch.int64)  # [slice, m/64]
-        c = x.sum(1, dtype=torch.int32).to(torch.int64)  # [slice, 64]
-        o = out[s:s + step]
-        torch.sum(r, -1, out=o[:, 0])
-        torch.add(r @ a, c @ b, out=o[:, 1])
-    return out
 
 
 def _unit_multipliers(layout: KVLayout, layer: int, heads: Sequence[int]) -> list[int]:

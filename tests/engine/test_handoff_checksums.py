@@ -5,6 +5,7 @@ s1 = Σ w_i, s2 = Σ i·w_i over the unit's 16-bit words (its K slab then its V 
 import pytest
 import torch
 
+from splitserve.engine import handoff_checksums
 from splitserve.engine.handoff_checksums import PRIME, _half_sums, partial_block_checksums
 from splitserve.engine.transfer.layout import KVLayout
 
@@ -38,14 +39,23 @@ def _definition(kv_tensors, layout: KVLayout, rank: int, block_ids) -> torch.Ten
         (torch.float32, 4, 8, 4, 2),  # GQA heads replicated over TP 4: only primaries count
     ],
 )
-@pytest.mark.parametrize("blocks", [[2, 3, 4, 5], [6, 1, 6, 0]], ids=["run", "gather"])
-def test_block_checksums_equal_their_definition(dtype, block_size, head_dim, tp, kv_heads, blocks):
+@pytest.mark.parametrize(
+    "blocks",
+    [[2, 3, 4, 5], [6, 1, 6, 0], [*range(20, 30), *range(2, 12)]],
+    ids=["run", "gather", "two runs"],
+)
+@pytest.mark.parametrize("slice_words", [None, 256], ids=["", "small slices"])
+def test_block_checksums_equal_their_definition(
+    dtype, block_size, head_dim, tp, kv_heads, blocks, slice_words, monkeypatch
+):
+    if slice_words:  # every piece cut into slices of a few units
+        monkeypatch.setattr(handoff_checksums, "_SLICE_WORDS", slice_words)
     layout = KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size, tp=tp, pp=1, num_layers=3,
                       num_kv_heads=kv_heads, head_dim=head_dim)
     g = torch.Generator().manual_seed(3)
     for rank in range(tp):
         local = layout.num_local_heads
-        kv = [(torch.randn(2, 8, local, block_size, head_dim, generator=g) * 50).to(dtype) for _ in range(3)]
+        kv = [(torch.randn(2, 32, local, block_size, head_dim, generator=g) * 50).to(dtype) for _ in range(3)]
         got = partial_block_checksums(kv, layout, rank, blocks)
         assert torch.equal(got, _definition(kv, layout, rank, blocks)), rank
 
@@ -68,4 +78,4 @@ def test_half_sums_exact_at_the_largest_words(m):
     wide = words.to(torch.int64) & 0xFFFF
     i = torch.arange(1, m + 1, dtype=torch.int64)
     want = torch.stack([wide.sum(-1), (wide * i).sum(-1)], dim=1)
-    assert torch.equal(_half_sums(words.view(torch.uint16)), want)
+    assert torch.equal(_half_sums([words.view(torch.uint16)]), want)
