@@ -5,9 +5,13 @@ Runs our engine on the Llama-3.2-1B shape (random bf16 weights, see
 
 - the step time seen by `LLM.generate` (prefill excluded),
 - the time of the CUDA-graph replay alone for the same bucket (the GPU-bound floor),
-- with `--profile`, the top functions by own time under cProfile (host hot spots).
+- with `--profile`, the top functions by own time under cProfile (host hot spots),
+- with `--replay-kernels`, the GPU time of each kernel inside 20 replays of the decode graph
+  (CUPTI records the kernels a graph launches; unlike `--kernels`, which profiles eager steps,
+  this shows them as they run back to back under programmatic dependent launch, where a
+  kernel's own speed and its speed in the step have differed: benchmarks/RESULTS.md, session 20).
 
-    python benchmarks/decode_profile.py --batches 1,64 [--profile] [--option KEY=VALUE]
+    python benchmarks/decode_profile.py --batches 1,64 [--profile] [--replay-kernels] [--option KEY=VALUE]
 """
 
 from __future__ import annotations
@@ -30,19 +34,42 @@ CFG = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidd
            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=131072)
 
 
-def replay_time(llm, batch: int, iters: int = 50) -> float:
+def _decode_graph(llm, batch: int):
+    """The captured decode graph a batch of `batch` ran on (None: graphs off)."""
     graphs = llm.engine.runner.graphs
     if graphs is None:
-        return float("nan")
+        return None
     bucket = next(b for b in graphs.buckets if b >= batch)
     width = min(w for b, w in graphs._static if b == bucket)  # the context bucket the run used
-    static = graphs._get(bucket, width)
+    return graphs._get(bucket, width).graph
+
+
+def replay_time(llm, batch: int, iters: int = 50) -> float:
+    graph = _decode_graph(llm, batch)
+    if graph is None:
+        return float("nan")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        static.graph.replay()
+        graph.replay()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / iters
+
+
+def replay_kernel_table(llm, batch: int, iters: int = 20) -> str:
+    """Per-kernel GPU time inside `iters` replays of the decode graph `replay_time` replays."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = _decode_graph(llm, batch)
+    if graph is None:
+        return "(CUDA graphs off: nothing replayed)"
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            graph.replay()
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
 
 
 def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
@@ -78,6 +105,7 @@ def main() -> None:
     p.add_argument("--sample", default=None, metavar="T,K,P",
                    help="sample with temperature T, top-k K, top-p P (seeded) instead of greedy")
     p.add_argument("--kernels", action="store_true", help="print per-kernel GPU time of 20 eager decode steps")
+    p.add_argument("--replay-kernels", action="store_true", help="print per-kernel GPU time inside 20 graph replays")
     p.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (repeatable)")
     args = p.parse_args()
     extra = {}
@@ -129,6 +157,9 @@ def main() -> None:
             step_bytes = 2 * params + batch * (512 + args.new_tokens / 2) * kv_per_token
             roof_step = step_bytes / bw
             rows.append((batch, step, replay, roof_step))
+            if args.replay_kernels:
+                print(f"--- kernels inside 20 replays of the batch-{batch} decode graph ---")
+                print(replay_kernel_table(llm, batch))
             if prof:
                 s = io.StringIO()
                 pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(30)
