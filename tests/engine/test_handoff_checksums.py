@@ -45,9 +45,11 @@ def _definition(kv_tensors, layout: KVLayout, rank: int, block_ids) -> torch.Ten
     ids=["run", "gather", "two runs"],
 )
 @pytest.mark.parametrize("slice_words", [None, 256], ids=["", "small slices"])
+@pytest.mark.parametrize("integer", [True, False], ids=["int32 sums", "float32 sums (the CUDA form)"])
 def test_block_checksums_equal_their_definition(
-    dtype, block_size, head_dim, tp, kv_heads, blocks, slice_words, monkeypatch
+    dtype, block_size, head_dim, tp, kv_heads, blocks, slice_words, integer, monkeypatch
 ):
+    monkeypatch.setattr(handoff_checksums, "CPU_INTEGER_FORM", integer)
     if slice_words:  # every piece cut into slices of a few units
         monkeypatch.setattr(handoff_checksums, "_SLICE_WORDS", slice_words)
     layout = KVLayout(dtype=str(dtype).removeprefix("torch."), block_size=block_size, tp=tp, pp=1, num_layers=3,
