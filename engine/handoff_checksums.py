@@ -47,7 +47,7 @@ def partial_block_checksums(
     heads = [h for h in range(h0, h1) if layout.is_primary(tp_rank, h)]
     device = kv_tensors[0].device if kv_tensors else torch.device("cpu")
     total = torch.zeros(len(block_ids), 2, dtype=torch.int64, device=device)
-    if not heads or not block_ids:
+    if not heads or not block_ids or not kv_tensors:  # (a simulated engine holds no KV)
         return total
     idx = torch.as_tensor(list(block_ids), dtype=torch.long, device=device)
     local = torch.as_tensor([h - h0 for h in heads], dtype=torch.long, device=device)

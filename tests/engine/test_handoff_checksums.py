@@ -81,3 +81,9 @@ def test_half_sums_exact_at_the_largest_words(m):
     i = torch.arange(1, m + 1, dtype=torch.int64)
     want = torch.stack([wide.sum(-1), (wide * i).sum(-1)], dim=1)
     assert torch.equal(_half_sums([words.view(torch.uint16)]), want)
+
+
+def test_no_kv_tensors_sum_to_zero():
+    """A rank without KV tensors (the simulated engine) contributes nothing."""
+    layout = KVLayout(dtype="float32", block_size=4, tp=1, pp=1, num_layers=2, num_kv_heads=2, head_dim=8)
+    assert torch.equal(partial_block_checksums([], layout, 0, [0, 1]), torch.zeros(2, 2, dtype=torch.int64))
