@@ -72,6 +72,10 @@ class DecodeState:
 
 
 def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[int, RankEndpoint] | None) -> dict:
+    # The streams read each step's additions from the outputs; whole-result snapshots of every
+    # running request every step cost O(tokens) each (~0.2 ms a step at batch 64, ~1 ms at 4k
+    # tokens generated: as long as a batch-64 GPU step; benchmarks/RESULTS.md, session 21).
+    engine.snapshot_outputs = False
     state = DecodeState() if endpoints is not None else None
     if isinstance(transport, TorchDistTransport) and endpoints is not None:
         transport.group_endpoints = [TorchDistEndpoint.from_bytes(e.agent_metadata) for e in endpoints.values()]

@@ -173,16 +173,16 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                     yield decode_worker_pb2.DecodeChunk(finish_reason=common_pb2.FINISH_REASON_ABORT)
                     finished = True
                     break
-                result = out.result
+                result = out.result  # None but for a first token and the end (decode_hooks: no snapshots)
                 clock.on_output(result, len(out.new_token_ids), self.metrics)
                 chunk = decode_worker_pb2.DecodeChunk(token_ids=list(out.new_token_ids))
-                if len(result.generated_tokens) == 1:  # prefilled here: report its prefix-cache hit
+                if out.num_generated == 1 and result is not None:  # prefilled here: its prefix-cache hit
                     chunk.num_cached_tokens = result.num_cached_tokens
-                if params.return_log_probs and result.generated_log_probs:
-                    chunk.logprobs.append(result.generated_log_probs[-1])
-                if params.top_n_logprobs and result.top_n_logprobs:
-                    chunk.top_logprobs.append(top_logprobs_to_proto(result.top_n_logprobs[-1]))
-                if result.is_finished:
+                if params.return_log_probs:
+                    chunk.logprobs.extend(out.new_log_probs)
+                if params.top_n_logprobs:
+                    chunk.top_logprobs.extend(top_logprobs_to_proto(t) for t in out.new_top_n)
+                if result is not None and result.is_finished:
                     chunk.finish_reason = finish_reason(result)
                     finished = True
                 await fault_injection.hold("stream", request_id)
@@ -333,7 +333,7 @@ class _DecodeClock:
         now = time.monotonic()
         if self.first_output is None:
             self.first_output = now
-            t = result.timing
+            t = result.timing if result is not None else None
             if self.import_end is None and t is not None:  # prefilled here
                 self.queue_end = t.first_scheduled if t.first_scheduled is not None else self.started
                 self.first_token = t.first_token if t.first_token is not None else now

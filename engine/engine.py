@@ -79,9 +79,10 @@ class Engine:
         """Checkpoint the weights came from (changes on a lifecycle reload)."""
         self.is_suspended = False
         self.snapshot_outputs = True
-        """Attach a full result snapshot to every step output (streaming consumers);
-        when False only finished requests get one (batch `generate`: saves O(tokens)
-        copies per request per step on the hot path)."""
+        """Attach a full result snapshot to every step output (streaming consumers that want
+        whole results); when False only finished requests and first tokens get one, and
+        consumers read each step's additions from the `StepOutput` (batch `generate`, decode
+        workers' streams: saves O(tokens) copies per request per step on the hot path)."""
         self.num_pinned_blocks = 0
         """Blocks held by handoff pins (an int, safe to read from other threads)."""
         self._ids = itertools.count()

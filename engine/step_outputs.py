@@ -19,8 +19,16 @@ class StepOutput:
     new_token_ids: tuple[int, ...]
     new_text: str
     result: GenerationResult | None
-    """The request's state after the step; None for an unfinished request when the
-    engine's `snapshot_outputs` is off."""
+    """The request's state after the step. With the engine's `snapshot_outputs` off, only a
+    finished request's output and a request's first generated token carry one (a snapshot
+    copies every list of the request: O(tokens) a request a step); the fields below say
+    what the step added either way."""
+    num_generated: int = 0
+    """Tokens the request has generated so far, this step's included."""
+    new_log_probs: tuple[float, ...] = ()
+    """The new tokens' log-probs (when the request asked for them)."""
+    new_top_n: tuple[dict[int, float], ...] = ()
+    """The new tokens' top-n log-probs (when the request asked for them)."""
 
 
 def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
@@ -40,18 +48,20 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
             continue
         token = res.sample.token_id
         req.output_token_ids.append(token)
-        if req.first_token_time is None:
+        is_first = req.first_token_time is None
+        if is_first:
             req.first_token_time = now
-        if req.params.return_log_probs:
-            req.generated_log_probs.append(res.sample.logprob)
-        if res.sample.top_n is not None:
-            req.top_n_logprobs.append(res.sample.top_n)
+        log_probs = (res.sample.logprob,) if req.params.return_log_probs else ()
+        req.generated_log_probs.extend(log_probs)
+        top_n = (res.sample.top_n,) if res.sample.top_n is not None else ()
+        req.top_n_logprobs.extend(top_n)
         delta, status = engine._stops[req.request_id].on_token(token)
         if status is None and engine.config.role == "prefill":
             status = RequestStatus.HANDOFF
         if status is not None:
             engine._finish(req, status, res.sample.logprob)
         is_finished = req.status.is_finished
-        result = GenerationResult.from_request(req, is_finished) if is_finished or engine.snapshot_outputs else None
-        outputs.append(StepOutput(req.request_id, (token,), delta, result))
+        snapshot = is_finished or engine.snapshot_outputs or is_first
+        result = GenerationResult.from_request(req, is_finished) if snapshot else None
+        outputs.append(StepOutput(req.request_id, (token,), delta, result, len(req.output_token_ids), log_probs, top_n))
     return outputs
