@@ -23,6 +23,9 @@ class RequestStatus(enum.Enum):
         return self not in (RequestStatus.WAITING, RequestStatus.RUNNING)
 
 
+_MAX_TEXT_PIECES = 64
+
+
 @dataclass
 class Request:
     """Mutable per-request bookkeeping owned by the scheduler.
@@ -55,8 +58,41 @@ class Request:
     num_prefill_chunks: int = 0
     """Steps that computed part of the prompt (chunked prefill)."""
     finish_time: float | None = None
-    generated_text: str = ""
+    text_pieces: list[str] = field(default_factory=list, repr=False)
+    """The detokenized output as appended (`append_text`); `generated_text` joins it on read,
+    so a token's text costs O(1), not a copy of all the text so far."""
+    text_length: int = 0
+    """Characters of `generated_text`."""
     num_preemptions: int = 0
+
+    @property
+    def generated_text(self) -> str:
+        """The detokenized output so far."""
+        if len(self.text_pieces) > 1:
+            self.text_pieces[:] = ["".join(self.text_pieces)]
+        return self.text_pieces[0] if self.text_pieces else ""
+
+    @generated_text.setter
+    def generated_text(self, text: str) -> None:
+        self.text_pieces[:] = [text] if text else []
+        self.text_length = len(text)
+
+    def append_text(self, delta: str) -> None:
+        if delta:
+            self.text_pieces.append(delta)
+            self.text_length += len(delta)
+            if len(self.text_pieces) >= _MAX_TEXT_PIECES:  # amortised: a join every so many tokens
+                self.text_pieces[:] = ["".join(self.text_pieces)]
+
+    def text_tail(self, n: int) -> str:
+        """The last `n` characters of `generated_text` (all of it if shorter), without joining the rest."""
+        out: list[str] = []
+        for piece in reversed(self.text_pieces):
+            if n <= 0:
+                break
+            out.append(piece[-n:])
+            n -= len(piece)
+        return "".join(reversed(out))
 
     @property
     def prompt_len(self) -> int:

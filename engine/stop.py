@@ -36,8 +36,8 @@ class StopChecker:
                 delta = self.tokenizer.id_to_token(token_id) or ""
             elif not is_eos:
                 delta = self.detok.add(token_id)
-        before = len(req.generated_text)
-        req.generated_text += delta
+        before = req.text_length
+        req.append_text(delta)
         if is_eos:
             return delta, RequestStatus.FINISHED_STOPPED
         if self._max_stop_len and delta:
@@ -49,19 +49,25 @@ class StopChecker:
         return delta, None
 
     def _match_stop_word(self, before: int, delta_len: int) -> RequestStatus | None:
+        """A stop word ending in the new text: searched in the window of the last
+        max_stop_len - 1 + `delta_len` characters of prior + output only (O(1) a token)."""
+        need = self._max_stop_len - 1 + delta_len
+        window = self.req.text_tail(need)
+        if len(window) < need and self._prior:  # reaches back into the text sent before a break
+            window = self._prior[-(need - len(window)):] + window
         prior = len(self._prior)
-        text = self._prior + self.req.generated_text
-        window_start = max(0, prior + before - self._max_stop_len + 1)
+        window_start = prior + before + delta_len - len(window)  # in prior + output coordinates
         best = None
         for word in self.req.params.stop_words:
-            at = text.find(word, window_start)
+            at = window.find(word)
             if at != -1 and (best is None or at < best[0]):
                 best = (at, word)
         if best is None:
             return None
         at, word = best
+        at += window_start
         end = at + len(word) if self.req.params.detokenize_stop_sequence else at
-        self.req.generated_text = text[prior:end] if end > prior else ""
+        self.req.generated_text = self.req.generated_text[: end - prior] if end > prior else ""
         return RequestStatus.FINISHED_STOPPED
 
 

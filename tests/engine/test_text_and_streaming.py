@@ -148,3 +148,22 @@ def test_chat_template_renders(text_ckpt):
     tok = Tokenizer(text_ckpt)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|user|>hi</s><|assistant|>"
+
+
+def test_request_text_appends_in_pieces_and_reads_whole():
+    """`Request.append_text` keeps pieces (a token's text is not a copy of all before it);
+    `generated_text`, `text_length` and `text_tail` read them as one string."""
+    from splitserve.engine.request import Request
+
+    req = Request("r", [1, 2], SamplingParams(), (0,), 500)
+    words = [f"w{i}·" for i in range(150)] + ["", "é"]  # past the compaction of pieces
+    for i, w in enumerate(words):
+        req.append_text(w)
+        whole = "".join(words[: i + 1])
+        assert req.text_length == len(whole)
+        for n in (0, 1, 3, 7, 40, len(whole) + 5):
+            assert req.text_tail(n) == whole[len(whole) - min(n, len(whole)):]
+    assert req.generated_text == "".join(words)
+    req.generated_text = "cut"
+    req.append_text("!")
+    assert (req.generated_text, req.text_length, req.text_tail(2)) == ("cut!", 4, "t!")
