@@ -44,7 +44,7 @@ class EngineLoop:
     def __init__(
         self,
         engine: Engine,
-        on_output: Callable[[StepOutput], None] | None = None,
+        on_outputs: Callable[[list[StepOutput]], None] | None = None,
         after_step: Callable[[Engine, list[StepOutput]], None] | None = None,
         handlers: dict[str, ApplyHook] | None = None,
         idle_tick_s: float = 0.1,
@@ -52,11 +52,11 @@ class EngineLoop:
     ):
         """`handlers` adds command kinds (e.g. "import" for the decode worker),
         each run on every rank; `after_step` runs on every rank after each step
-        (collectives allowed); `on_output` runs on rank 0 only; `housekeeping`
+        (collectives allowed); `on_outputs` gets each step's outputs at once, on rank 0 only; `housekeeping`
         runs on rank 0 every iteration (idle ones too) and returns commands for
         every rank, like lease expiry (clock decisions are rank 0's)."""
         self.engine = engine
-        self.on_output = on_output
+        self.on_outputs = on_outputs
         self.after_step = after_step
         self.handlers = {
             "add": lambda e, c: e.add_request(c.request_id, *c.args),
@@ -123,9 +123,8 @@ class EngineLoop:
                     outputs = engine.step()
                     if self.after_step is not None:
                         self.after_step(engine, outputs)
-                    if self.is_front and self.on_output is not None:
-                        for out in outputs:
-                            self._safe(self.on_output, out)
+                    if self.is_front and self.on_outputs is not None and outputs:
+                        self._safe(self.on_outputs, outputs)
         finally:
             self._stopped.set()
             self._fail_pending(RuntimeError("engine loop stopped"))

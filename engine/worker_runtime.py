@@ -216,7 +216,7 @@ def _build_rank(
     after_step, block_set = _kv_event_hooks(engine, publisher, hooks.get("after_step"))
     loop = EngineLoop(
         engine,
-        on_output=hooks.get("on_output"),
+        on_outputs=hooks.get("on_outputs"),
         after_step=after_step,
         handlers={
             **_lifecycle_handlers(spec, transport, state),

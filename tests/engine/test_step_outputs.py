@@ -44,3 +44,40 @@ def test_step_additions_add_up_to_the_final_result(llama_ckpt, async_scheduling)
         assert s["top_n"] == (res.top_n_logprobs or [])
     assert len(seen["r0"]["top_n"]) == 9 and all(len(t) == 3 for t in seen["r0"]["top_n"])
     assert len(seen["r2"]["log_probs"]) == 1 and seen["r1"]["log_probs"] == []
+
+
+def test_a_steps_outputs_reach_their_streams_with_one_wakeup_per_event_loop():
+    """decode_worker/hooks.py: `DecodeState.deliver` hands a step's outputs to the asyncio
+    queues of their streams in order, skipping requests without a stream, and wakes each
+    event loop once a step (a wake-up per output cost the engine thread ~0.2 ms at batch 64)."""
+    import asyncio
+    import threading
+
+    from splitserve.decode_worker.hooks import DecodeState
+    from splitserve.engine.step_outputs import StepOutput
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    wakeups = []
+    original = loop.call_soon_threadsafe
+    loop.call_soon_threadsafe = lambda *a: (wakeups.append(a), original(*a))[1]
+    try:
+        state = DecodeState()
+        queues = {rid: asyncio.Queue() for rid in ("a", "b")}
+        state.streams.update({rid: (loop, q) for rid, q in queues.items()})
+        outs = [StepOutput(rid, (i,), "", None, 1) for i, rid in enumerate(["a", "gone", "b", "a"])]
+        state.deliver(outs)
+        state.deliver([])
+        assert len(wakeups) == 1
+
+        async def drain():
+            return {rid: [q.get_nowait().new_token_ids[0] for _ in range(q.qsize())] for rid, q in queues.items()}
+
+        got = asyncio.run_coroutine_threadsafe(drain(), loop).result(timeout=10)
+        assert got == {"a": [0, 3], "b": [2]}
+    finally:
+        loop.call_soon_threadsafe = original
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
