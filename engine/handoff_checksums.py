@@ -120,15 +120,12 @@ def _unit_sums(t: torch.Tensor, where: _Units):
 
 def _pieces(half: torch.Tensor, where: _Units, m: int) -> list[torch.Tensor]:
     """One half [NB, H, bs, d] of a layer's units as uint16 word pieces [units, m], in order: the
-    runs of blocks as they lie (whole heads) or gathered a slice at a time (then the gathered
-    copy is read back from cache, not memory)."""
-    step = max(1, _SLICE_WORDS // (where.local.numel() * m))
+    runs of blocks as they lie (all the tensor's heads counted), else gathered a slice at a time
+    (the gathered copy is then read back from cache, not memory)."""
     if where.runs is not None and where.all_heads:
         spans = [half.narrow(0, first, count) for first, count in where.runs]
-    elif where.runs is not None:
-        spans = [half.narrow(0, first + s, min(step, count - s)).index_select(1, where.local)
-                 for first, count in where.runs for s in range(0, count, step)]  # fmt: skip
     else:
+        step = max(1, _SLICE_WORDS // (where.local.numel() * m))
         spans = [half.index_select(0, where.idx[s:s + step]) for s in range(0, where.idx.numel(), step)]
         if not where.all_heads:
             spans = [y.index_select(1, where.local) for y in spans]
