@@ -49,6 +49,8 @@ class _Static:
     template: torch.Tensor
     """Host buffer of an all-padding batch; each step starts its ids, positions, slots and
     context lengths from a copy of it (the table rows are kept up to date by `_write_row`)."""
+    pad: object = None
+    """numpy view of the template's table rows (all padding), what `_write_row` resets rows to."""
     rows: tuple[list, list] = ((), ())
     """Per host twin and row: (block list, blocks written) of what its table row holds, or None
     (padding). A running request's block list only grows (or is replaced), so a row written two
@@ -166,7 +168,6 @@ class DecodeGraphs:
         head = 4 * bucket
         host[:head].copy_(static.template[:head])
         ids, positions, slots, ctx_lens, tables = (v.numpy() for v in _fields(host, bucket))
-        pad = _fields(static.template, bucket)[4].numpy()
         for i, chunk in enumerate(chunks):
             req, pos = chunk.request, chunk.start
             blocks = req.block_ids
@@ -175,8 +176,8 @@ class DecodeGraphs:
             positions[i] = pos
             slots[i] = blocks[n - 1] * bs + pos % bs
             ctx_lens[i] = pos + 1
-            _write_row(tables, rows, i, blocks, n, pad)
-        _clear_rows(tables, rows, batch, pad)
+            _write_row(tables, rows, i, blocks, n, static.pad)
+        _clear_rows(tables, rows, batch, static.pad)
         static.buffer.copy_(host, non_blocking=True)
         if static.flashinfer is not None:
             static.flashinfer.plan(tables, ctx_lens)
@@ -225,7 +226,8 @@ class DecodeGraphs:
         device = self.kv_caches[0].device
         template = self._padding(bucket, width)
         hosts = (template.pin_memory(), template.pin_memory())  # pinned copies: every row padding
-        static = _Static(template.to(device), hosts, template, rows=([None] * bucket, [None] * bucket))
+        static = _Static(template.to(device), hosts, template, pad=_fields(template, bucket)[4].numpy(),
+                         rows=([None] * bucket, [None] * bucket))
         ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
         planned = None
         if self.flashinfer is not None:
