@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,8 @@ from splitserve.engine.serving import Command
 from splitserve.engine.state_handoff import StateStep, has_recurrent_state
 from splitserve.engine.transfer.layout import layout_text
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, TransportEndpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +78,10 @@ class DecodeState:
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append((entry[1], out))
         for loop, items in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, items)
+            try:
+                loop.call_soon_threadsafe(_put_all, items)
+            except RuntimeError:  # that loop closed (its streams are gone): the other loops still get theirs
+                log.debug("dropped %d outputs for a closed event loop", len(items))
 
 
 def _put_all(items: list[tuple[asyncio.Queue, StepOutput]]) -> None:

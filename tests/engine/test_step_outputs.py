@@ -81,3 +81,33 @@ def test_a_steps_outputs_reach_their_streams_with_one_wakeup_per_event_loop():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+def test_a_closed_event_loop_does_not_cost_other_loops_their_outputs():
+    """`DecodeState.deliver`: a stream whose event loop has closed (its server shut down)
+    drops its outputs; the streams of other loops still get theirs, in order."""
+    import asyncio
+    import threading
+
+    from splitserve.decode_worker.hooks import DecodeState
+    from splitserve.engine.step_outputs import StepOutput
+
+    closed = asyncio.new_event_loop()
+    closed.close()
+    live = asyncio.new_event_loop()
+    thread = threading.Thread(target=live.run_forever, daemon=True)
+    thread.start()
+    try:
+        state = DecodeState()
+        queue = asyncio.Queue()
+        state.streams.update({"dead": (closed, asyncio.Queue()), "alive": (live, queue)})
+        state.deliver([StepOutput(rid, (i,), "", None, 1) for i, rid in enumerate(["dead", "alive", "alive"])])
+
+        async def drain():
+            return [queue.get_nowait().new_token_ids[0] for _ in range(queue.qsize())]
+
+        assert asyncio.run_coroutine_threadsafe(drain(), live).result(timeout=10) == [1, 2]
+    finally:
+        live.call_soon_threadsafe(live.stop)
+        thread.join(timeout=10)
+        live.close()
