@@ -9,7 +9,8 @@ Runs our engine on the Llama-3.2-1B shape (random bf16 weights, see
 - with `--replay-kernels`, the GPU time of each kernel inside 20 replays of the decode graph
   (CUPTI records the kernels a graph launches; unlike `--kernels`, which profiles eager steps,
   this shows them as they run back to back under programmatic dependent launch, where a
-  kernel's own speed and its speed in the step have differed: benchmarks/RESULTS.md, session 20).
+  kernel's own speed and its speed in the step have differed: benchmarks/RESULTS.md, session 20;
+  under PDL the spans overlap, see the note printed with the table).
 
     python benchmarks/decode_profile.py --batches 1,64 [--profile] [--replay-kernels] [--option KEY=VALUE]
 """
@@ -69,7 +70,14 @@ def replay_kernel_table(llm, batch: int, iters: int = 20) -> str:
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    from splitserve.kernels._pdl import pdl_mode
+
+    if pdl_mode(torch.device("cuda")):  # measured on the H200, session 22: spans summed to ~2x the replay
+        table += ("\nprogrammatic dependent launch is on: a kernel's span starts when its grid launches early and "
+                  "includes its wait for the previous kernel, so spans overlap and do not add up to the replay; "
+                  "SPLITSERVE_PDL=0 gives separable times (of a step without PDL, on cuBLAS projections)\n")
+    return table
 
 
 def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
@@ -92,7 +100,14 @@ def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
         for _ in range(steps):
             llm.engine.step()
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    from splitserve.kernels._pdl import pdl_mode
+
+    if pdl_mode(torch.device("cuda")):  # measured on the H200, session 22: spans summed to ~2x the replay
+        table += ("\nprogrammatic dependent launch is on: a kernel's span starts when its grid launches early and "
+                  "includes its wait for the previous kernel, so spans overlap and do not add up to the replay; "
+                  "SPLITSERVE_PDL=0 gives separable times (of a step without PDL, on cuBLAS projections)\n")
+    return table
 
 
 def main() -> None:
