@@ -80,10 +80,27 @@ def test_half_sums_exact_at_the_largest_words(m):
     wide = words.to(torch.int64) & 0xFFFF
     i = torch.arange(1, m + 1, dtype=torch.int64)
     want = torch.stack([wide.sum(-1), (wide * i).sum(-1)], dim=1)
-    assert torch.equal(_half_sums([words.view(torch.uint16)]), want)
+    assert torch.equal(_half_sums(iter([words.view(torch.uint16)]), 3, m, words.device), want)
 
 
 def test_no_kv_tensors_sum_to_zero():
     """A rank without KV tensors (the simulated engine) contributes nothing."""
     layout = KVLayout(dtype="float32", block_size=4, tp=1, pp=1, num_layers=2, num_kv_heads=2, head_dim=8)
     assert torch.equal(partial_block_checksums([], layout, 0, [0, 1]), torch.zeros(2, 2, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("group_units", [1, 1 << 12], ids=["a layer a group", "layers grouped"])
+def test_layer_subsets_add_up_to_the_whole_on_every_pp_rank(group_units, monkeypatch):
+    """Layers are summed in groups (`_GROUP_UNITS`); whatever the grouping, a pp rank's share uses
+    its own layers' multipliers, and the shares of disjoint layer subsets (layer-wise streaming
+    sums them as layers arrive, in any order) add up to the whole."""
+    monkeypatch.setattr(handoff_checksums, "_GROUP_UNITS", group_units)
+    layout = KVLayout(dtype="bfloat16", block_size=16, tp=1, pp=2, num_layers=6, num_kv_heads=2, head_dim=64)
+    g = torch.Generator().manual_seed(11)
+    blocks = [*range(3, 9), 1]
+    for rank in range(2):  # rank 1 holds layers 3..5
+        kv = [(torch.randn(2, 12, 2, 16, 64, generator=g) * 50).to(torch.bfloat16) for _ in range(3)]
+        whole = partial_block_checksums(kv, layout, rank, blocks)
+        assert torch.equal(whole, _definition(kv, layout, rank, blocks)), rank
+        parts = partial_block_checksums(kv, layout, rank, blocks, [2, 0]) + partial_block_checksums(kv, layout, rank, blocks, [1])
+        assert torch.equal(parts % PRIME, whole), rank
