@@ -57,6 +57,18 @@ def replay_time(llm, batch: int, iters: int = 50) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+def _table(prof) -> str:
+    """The profiler's per-kernel table, with a warning where the spans overlap."""
+    from splitserve.kernels._pdl import pdl_mode
+
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    if pdl_mode(torch.device("cuda")):  # measured on the H200, session 22: spans summed to ~2x the replay
+        table += ("\nprogrammatic dependent launch is on: a kernel's span starts when its grid launches early and "
+                  "includes its wait for the previous kernel, so spans overlap and do not add up to the step; "
+                  "SPLITSERVE_PDL=0 gives separable times (of a step without PDL, on cuBLAS projections)\n")
+    return table
+
+
 def replay_kernel_table(llm, batch: int, iters: int = 20) -> str:
     """Per-kernel GPU time inside `iters` replays of the decode graph `replay_time` replays."""
     from torch.profiler import ProfilerActivity, profile
@@ -70,14 +82,7 @@ def replay_kernel_table(llm, batch: int, iters: int = 20) -> str:
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    from splitserve.kernels._pdl import pdl_mode
-
-    if pdl_mode(torch.device("cuda")):  # measured on the H200, session 22: spans summed to ~2x the replay
-        table += ("\nprogrammatic dependent launch is on: a kernel's span starts when its grid launches early and "
-                  "includes its wait for the previous kernel, so spans overlap and do not add up to the replay; "
-                  "SPLITSERVE_PDL=0 gives separable times (of a step without PDL, on cuBLAS projections)\n")
-    return table
+    return _table(prof)
 
 
 def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
@@ -100,14 +105,7 @@ def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
         for _ in range(steps):
             llm.engine.step()
         torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
-    from splitserve.kernels._pdl import pdl_mode
-
-    if pdl_mode(torch.device("cuda")):  # measured on the H200, session 22: spans summed to ~2x the replay
-        table += ("\nprogrammatic dependent launch is on: a kernel's span starts when its grid launches early and "
-                  "includes its wait for the previous kernel, so spans overlap and do not add up to the replay; "
-                  "SPLITSERVE_PDL=0 gives separable times (of a step without PDL, on cuBLAS projections)\n")
-    return table
+    return _table(prof)
 
 
 def main() -> None:
