@@ -280,7 +280,12 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
-        **pdl,
+        # An unsplit plan's programs (a large batch) are launched only once the previous kernel has
+        # drained, not early under PDL (H200, benchmarks/RESULTS.md 2026-12-05): batch-64 graph
+        # replay 1.369 -> 1.363 ms in an interleaved A/B (1.371 -> 1.354 in another call), and the
+        # narrower attention setting of session 20 (32-token steps, 6 stages) loses its 1.574 ms
+        # outlier (1.350 launched this way). Split plans (small batches) keep PDL: not measured.
+        **({"PDL": 0} if is_single else pdl),
     )
     if not is_single:
         _decode_reduce_kernel[(batch, num_q_heads)](
