@@ -178,7 +178,7 @@ def _half_sums(pieces: Iterable[torch.Tensor], units: int, m: int, device: torch
     (taken one at a time: a gathered piece is summed before the next is gathered).
 
     The words of a unit as rows of 64 (i = 64a + b + 1): row sums R_a and column sums C_b, then
-    Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b in int64 over the few R and C. R and C are
+    Σw = ΣR, Σ i·w = 64·Σ a·R_a + Σ (b+1)·C_b over the few R and C (exact float64 GEMVs). R and C are
     reduced from a widened copy of each slice of units (torch's sums do not read uint16 without
     a widening copy of their own, one per sum: widening once feeds both), exact because every
     partial sum is an integer below 2^24 (R ≤ 64·65535, C ≤ 256·65535). On CPU in int32, ~20%
