@@ -81,7 +81,7 @@ class EngineLoop:
             raise RuntimeError("commands are submitted on global rank 0 only")
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopped.is_set():
-            future.set_exception(RuntimeError("engine loop has stopped"))
+            settle(future, error=RuntimeError("engine loop has stopped"))
             return future
         with self._cond:
             self._pending.append((command, future))
@@ -132,10 +132,14 @@ class EngineLoop:
     def _apply_all(self, commands: list[Command], futures: list) -> bool:
         stop = False
         for command, future in zip(commands, futures, strict=True):
+            if future is not None:
+                # From here on the submitter's cancel (its RPC gone: `asyncio.wrap_future`
+                # cancels this future) no longer takes: the command applies on every rank
+                # alike, cancelled or not, and its outcome is dropped if nobody waits.
+                future.set_running_or_notify_cancel()
             if command.kind == "stop":
                 stop = True
-                if future is not None:
-                    future.set_result(None)
+                settle(future, None)
                 continue
             handler = self.handlers.get(command.kind)
             try:
@@ -143,19 +147,16 @@ class EngineLoop:
                     raise ValueError(f"unknown engine command {command.kind!r}")
                 result = handler(self.engine, command)
             except Exception as exc:  # the submitter gets the error; the loop goes on
-                if future is not None:
-                    future.set_exception(exc)
+                settle(future, error=exc)
             else:
-                if future is not None:
-                    future.set_result(result)
+                settle(future, result)
         return stop
 
     def _fail_pending(self, exc: Exception) -> None:
         with self._cond:
             batch, self._pending = self._pending, []
         for _, future in batch:
-            if not future.done():
-                future.set_exception(exc)
+            settle(future, error=exc)
 
     @staticmethod
     def _safe(fn: Callable, *args: Any) -> None:
@@ -164,3 +165,19 @@ class EngineLoop:
         except Exception:  # a broken consumer must not kill the engine
             log.exception("output callback failed")
 
+
+def settle(future: concurrent.futures.Future | None, value: Any = None, error: BaseException | None = None) -> None:
+    """Resolve `future` with `value` (or `error`) unless it was cancelled: its caller gave up
+    (a cancelled RPC cancels the future `asyncio.wrap_future` made of it), and the thread that
+    settles — the engine's — must not die of it (`InvalidStateError`; a decode worker's engine
+    loop did, when a client's deadline passed while its import was failing). No `done()` check
+    first: the event loop may cancel between the check and the set."""
+    if future is None:
+        return
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(value)
+    except concurrent.futures.InvalidStateError:
+        pass

@@ -29,6 +29,7 @@ from splitserve.engine.handoff_layerwise import LayerPublisher, close_released, 
 from splitserve.engine.handoff_pack import make_packer
 from splitserve.engine.handoff_push import TorchDistTransport, serve_push
 from splitserve.engine.request import GenerationResult
+from splitserve.engine.serving import settle
 from splitserve.engine.state_handoff import build_state_handoff, has_recurrent_state
 from splitserve.engine.transfer.transport import TransferStats, TransportEndpoint
 
@@ -81,17 +82,17 @@ class PrefillState:
     absent = not named): what the handoff's head slices are packed for (engine/handoff_pack.py)."""
 
     def signal_started(self, request_id: str, preview: HandoffDescriptor) -> None:
-        _settle(self.started.pop(request_id, None), preview)
+        settle(self.started.pop(request_id, None), preview)
 
     def signal_first_token(self, request_id: str, result: GenerationResult) -> None:
         future = self.first_tokens.pop(request_id, None)
         if future is not None:
-            _settle(future, FirstToken.of(result))
+            settle(future, FirstToken.of(result))
 
     def resolve(self, request_id: str, outcome: PrefillOutcome) -> None:
         self.first_tokens.pop(request_id, None)  # normally gone already (signalled just before)
         self.decode_tp.pop(request_id, None)
-        _settle(self.waiters.pop(request_id, None), outcome)
+        settle(self.waiters.pop(request_id, None), outcome)
 
     def forget(self, request_id: str) -> None:
         """The call is gone (cancelled, timed out, aborted): drop and cancel its futures."""
@@ -100,15 +101,6 @@ class PrefillState:
             future = futures.pop(request_id, None)
             if future is not None:
                 future.cancel()
-
-
-def _settle(future: concurrent.futures.Future | None, value) -> None:
-    if future is None:
-        return
-    try:  # no done() check first: the event loop may cancel between the check and the set
-        future.set_result(value)
-    except concurrent.futures.InvalidStateError:  # cancelled meanwhile on the event loop: nobody waits
-        pass
 
 
 def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[int, RankEndpoint] | None) -> dict:

@@ -39,6 +39,10 @@ class StartupError(RuntimeError):
     """The cluster did not come up; the message says which process and why."""
 
 
+UP_TRANSPORTS = ("auto", "nixl", "shm", "cuda_ipc", "torch_dist")
+"""KV transports between the workers of a one-machine cluster (`--transport` of `splitserve up`)."""
+
+
 @dataclass(frozen=True)
 class UpConfig:
     """What `splitserve up` starts. Paths and ports are resolved when the cluster starts."""
@@ -61,7 +65,9 @@ class UpConfig:
     control_plane_port: int = 0
     api_keys: tuple[str, ...] = ()
     transport: str = "auto"
-    """KV transport: auto (NIXL when installed, else torch_dist), nixl, torch_dist, inproc."""
+    """KV transport (`UP_TRANSPORTS`): auto (NIXL when installed, else torch_dist), nixl, shm (CPU
+    pools), cuda_ipc (GPU pools), torch_dist. Not inproc: it reaches only its own process, and
+    every worker here is a process of its own."""
     block_size: int = 16
     device: str = "auto"
     worker_args: tuple[str, ...] = ()
@@ -82,8 +88,11 @@ class UpConfig:
         parse_inference_shards(self.inference_shards)  # ShardSpecError names the bad token
         if self.engine not in ("torch", "sim"):
             raise ValueError(f"engine must be 'torch' or 'sim', got {self.engine!r}")
-        if self.transport not in ("auto", "nixl", "torch_dist", "inproc"):
-            raise ValueError(f"transport must be auto, nixl, torch_dist or inproc, got {self.transport!r}")
+        if self.transport not in UP_TRANSPORTS:
+            hint = " (in-process: each worker here is a process of its own)" if self.transport == "inproc" else ""
+            raise ValueError(f"transport must be one of {', '.join(UP_TRANSPORTS)}, got {self.transport!r}{hint}")
+        if self.transport == "cuda_ipc" and self.engine == "torch" and self.device == "cpu":
+            raise ValueError("transport cuda_ipc maps GPU memory: it needs --device cuda (or auto on a CUDA host)")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("port", "router_port", "control_plane_port"):

@@ -15,7 +15,13 @@ import tempfile
 from pathlib import Path
 
 from splitserve.control_plane.shard_spec import ShardSpecError
-from splitserve.local_cluster import DEFAULT_INFERENCE_SHARDS, LocalCluster, StartupError, UpConfig
+from splitserve.local_cluster import (
+    DEFAULT_INFERENCE_SHARDS,
+    UP_TRANSPORTS,
+    LocalCluster,
+    StartupError,
+    UpConfig,
+)
 from splitserve.security_flags import child_environment
 from splitserve.supervisor import supervise
 
@@ -55,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--engine", choices=["torch", "sim"], default="torch",
                        help="torch runs the model; sim runs simulated workers (modelled timing, pseudo-tokens)")
     model.add_argument("--device", default="auto", help="worker device: auto (CUDA if present), cpu or cuda")
-    model.add_argument("--transport", choices=["auto", "nixl", "torch_dist", "inproc"], default="auto",
-                       help="KV handoff transport between workers; auto = NIXL when installed, else torch_dist")
+    model.add_argument("--transport", choices=UP_TRANSPORTS, default="auto",
+                       help="KV handoff transport between workers; auto = NIXL when installed, else torch_dist; "
+                       "shm: CPU pools through shared memory; cuda_ipc: GPU pools mapped over CUDA IPC")
     model.add_argument("--block-size", type=int, default=16, metavar="TOKENS", help="KV block size (default %(default)s)")
     net = parser.add_argument_group("addresses")
     net.add_argument("--host", default="127.0.0.1",

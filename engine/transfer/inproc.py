@@ -8,6 +8,7 @@ descriptors a NIXL pull would post, so tests exercise the same address arithmeti
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -27,6 +28,25 @@ _lock = threading.Lock()
 _counter = itertools.count()
 
 
+def _own_prefix() -> bytes:
+    return _PREFIX + f"{os.getpid()}:".encode()
+
+
+def exposed(token: bytes, what: str = "endpoint") -> list[torch.Tensor]:
+    """The tensors exposed under `token` in this process. TransferError, at once, for a token of
+    another process — the in-process transport reaches no other process (tokens name their
+    process: a bare counter made a peer's token name this process's own pool) — or one closed."""
+    if not token.startswith(_own_prefix()):
+        raise TransferError(f"{what} {token!r} was exposed by another process; the in-process transport "
+                            "reaches only its own process: workers in processes of their own need "
+                            "--transport nixl, shm, cuda_ipc or torch_dist")
+    with _lock:
+        tensors = _registry.get(token)
+    if tensors is None:
+        raise TransferError(f"{what} {token!r} is not exposed")
+    return tensors
+
+
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.view(-1).view(torch.uint8)
 
@@ -43,7 +63,7 @@ class InProcTransport(KVTransport):
     def expose(self, kv_tensors: Sequence[torch.Tensor]) -> bytes:
         if not kv_tensors or not all(t.is_contiguous() for t in kv_tensors):
             raise ValueError("expose needs a non-empty list of contiguous KV tensors")
-        token = _PREFIX + str(next(_counter)).encode()
+        token = _own_prefix() + str(next(_counter)).encode()
         board = ProgressBoard.for_pool(kv_tensors, self._num_board_slots)
         if self.board is None or self.board.shape != board.shape:  # exposed again: keep live slots
             self.board = board
@@ -66,10 +86,7 @@ class InProcTransport(KVTransport):
         dst_bytes = [_byte_view(t) for t in kv_tensors]
         num_bytes = num_regions = 0
         for src_rank in needed_sources(plan, dst_rank, remote):
-            with _lock:
-                src_tensors = _registry.get(remote[src_rank])
-            if src_tensors is None:
-                raise TransferError(f"source rank {src_rank}: endpoint {remote[src_rank]!r} is not exposed")
+            src_tensors = exposed(remote[src_rank], f"source rank {src_rank}: endpoint")
             src_pool = check_kv_tensors(src_tensors, plan.src, src_rank)
             src_bytes = [_byte_view(t) for t in src_tensors]
             regions = ops_regions(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, src_pool, dst_pool)
@@ -83,6 +100,7 @@ class InProcTransport(KVTransport):
         return TransferStats(num_bytes, time.perf_counter() - start, num_regions)
 
     def read_board(self, metadata: bytes, slot: int, width: int) -> list[int]:
+        exposed(metadata)
         with _lock:
             board = _boards.get(metadata)
         if board is None or board.shape[1] != width or not 0 <= slot < board.shape[0]:

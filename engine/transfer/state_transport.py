@@ -86,10 +86,7 @@ def pull_inproc(sources: Mapping[int, tuple[bytes, Regions]], dst: Sequence[torc
 
     start, total, count = time.perf_counter(), 0, 0
     for src_rank, (token, regions) in sorted(sources.items()):
-        with inproc._lock:
-            tensors = inproc._registry.get(token)
-        if tensors is None:
-            raise TransferError(f"source rank {src_rank}: state endpoint {token!r} is not exposed")
+        tensors = inproc.exposed(token, f"source rank {src_rank}: state endpoint")
         total += copy_regions(regions, tensors, dst)
         count += len(regions)
     return TransferStats(total, time.perf_counter() - start, count)

@@ -73,6 +73,8 @@ def test_missing_etcd_fails_fast_and_says_how_to_install_it(tmp_path):
         (["--inference-shards", "tp=2,rol=decode"], "unknown key 'rol'"),
         (["--model", "/nonexistent/model"], "is not a directory"),
         (["--port", "70000"], "port must be in"),
+        (["--transport", "inproc"], "invalid choice: 'inproc'"),  # each worker is a process of its own
+        (["--transport", "cuda_ipc", "--device", "cpu"], "cuda_ipc maps GPU memory"),
     ],
 )
 def test_bad_options_are_refused_before_starting_anything(args, words):

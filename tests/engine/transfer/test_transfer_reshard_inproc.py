@@ -99,3 +99,40 @@ def test_checksums_match_across_layouts_and_catch_a_flipped_element():
     kv[0][1, dst_tables[1][3], 1, 0, 2] += 1.0
     bad = verify_unit_checksums(kv, dst_lay, 1, dst_tables[1], expected, first_block)
     assert bad == [(2, 1)]
+
+
+_EXPOSE_AND_PRINT = """
+import torch
+from splitserve.engine.transfer.inproc import InProcTransport
+print(InProcTransport().expose([torch.zeros(2, 9, 2, 2, 2, 4)]).decode())
+"""
+
+
+def test_a_token_of_another_process_fails_at_once_and_says_why():
+    """Tokens name their process: with a bare counter, another process's first token was this
+    process's own first token, so a decode worker started with `--transport inproc` read its own
+    pool's progress board and waited out the stall timeout (30 s) for layers that never came."""
+    import subprocess
+    import sys
+    import time
+
+    from splitserve.engine.transfer.inproc import exposed
+    from splitserve.engine.transfer.transport import TransferError
+
+    foreign = subprocess.run([sys.executable, "-c", _EXPOSE_AND_PRINT], capture_output=True, text=True,
+                             timeout=120, check=True).stdout.strip().encode()
+    src_lay = dst_lay = layout(1, 1, 2)
+    tables = block_tables(src_lay, NUM_BLOCKS, POOL, seed=1)
+    plan = build_plan(src_lay, dst_lay, tables, tables, 0)
+    with InProcTransport() as own, InProcTransport() as dst_t:
+        mine = own.expose(scatter(random_logical(src_lay, NUM_BLOCKS, 1), src_lay, tables, POOL)[0])
+        assert mine != foreign and exposed(mine)
+        dst_kv = scatter(torch.zeros_like(random_logical(src_lay, NUM_BLOCKS, 1)), dst_lay, tables, POOL)[0]
+        started = time.monotonic()
+        with pytest.raises(TransferError, match="exposed by another process.*--transport nixl"):
+            dst_t.pull(plan, 0, {0: foreign}, dst_kv, timeout_s=30)
+        with pytest.raises(TransferError, match="another process"):
+            dst_t.read_board(foreign, 0, 8)
+        assert time.monotonic() - started < 5
+    with pytest.raises(TransferError, match="is not exposed"):  # closed: its pool is gone
+        exposed(mine)
