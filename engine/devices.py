@@ -16,7 +16,11 @@ def resolve_device(name: str) -> torch.device:
         name = os.environ.get("SPLITSERVE_AUTO_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
         if name not in ("cpu", "cuda"):
             raise ValueError(f"SPLITSERVE_AUTO_DEVICE must be cpu or cuda, got {name!r}")
-    return torch.device(name)
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():  # else torch's AssertionError deep in a model build
+        raise ValueError(f"device {name!r}: CUDA is not available here (no GPU visible, or a CPU build of torch "
+                         f"{torch.__version__}); use --device cpu or auto")
+    return device
 
 
 def group_on_cuda(device: str, tp: int, pp: int = 1) -> bool:

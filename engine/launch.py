@@ -37,8 +37,10 @@ def _rank_main(
     try:
         dist.init_process_group("nccl" if use_cuda else "gloo", init_method=init_method, rank=rank, world_size=world_size)
         results.put((rank, True, fn(*args)))
+    except (ValueError, FileNotFoundError) as exc:  # a bad option or model: the caller's error, said plainly
+        results.put((rank, False, (type(exc).__name__, str(exc))))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, ("", traceback.format_exc())))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -76,7 +78,10 @@ def run_on_ranks(
                         raise RuntimeError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                     continue
                 if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                    kind, text = value
+                    if kind:  # ValueError / FileNotFoundError in the rank: the same here, without its traceback
+                        raise (ValueError if kind == "ValueError" else FileNotFoundError)(f"rank {rank}: {text}")
+                    raise RuntimeError(f"rank {rank} failed:\n{text}")
                 by_rank[rank] = value
         finally:
             for p in procs:

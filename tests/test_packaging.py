@@ -73,9 +73,22 @@ def test_every_cli_option_has_help():
         assert not undocumented, f"splitserve {name}: options without help: {undocumented}"
 
 
-def test_cli_reports_bad_input_without_a_traceback(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "splitserve", "generate", "--model", str(tmp_path / "none")], capture_output=True, text=True
-    )
-    assert out.returncode == 2
-    assert "does not exist" in out.stderr and "Traceback" not in out.stderr
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--model", "{tmp}/none"], "does not exist"),
+        # A bad layout fails in the rank processes: said as the rank's error, not its traceback.
+        (["--tp", "3", "--device", "cpu"], ": 4 attention heads cannot be split over tp=3"),
+        (["--device", "cuda"], "CUDA is not available here"),  # on this CPU-only machine
+    ],
+)
+def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
+    import torch
+
+    if "cuda" in args and torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    out = subprocess.run([sys.executable, "-m", "splitserve", "generate", "--prompt", "hi", *args],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "Traceback" not in out.stderr, out.stderr

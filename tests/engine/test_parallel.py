@@ -69,7 +69,11 @@ def test_auto_device_follows_splitserve_auto_device(monkeypatch):
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
     assert resolve_device("auto") == torch.device("cpu")
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cuda")
-    assert resolve_device("auto") == torch.device("cuda")
+    if torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cuda")
+    else:  # said plainly, not torch's AssertionError from deep inside the model build
+        with pytest.raises(ValueError, match="CUDA is not available here.*use --device cpu"):
+            resolve_device("auto")
     assert resolve_device("cpu") == torch.device("cpu")  # an explicit device is kept
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "gpu")
     with pytest.raises(ValueError, match="SPLITSERVE_AUTO_DEVICE must be cpu or cuda, got 'gpu'"):
@@ -86,6 +90,7 @@ def test_worker_group_backend_follows_the_engines_device(monkeypatch):
     def spec(device):
         return WorkerSpec(model=None, role="prefill", engine_options={"device": device})
 
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU host
     assert not _group_on_cuda(spec("cpu"))
     assert _group_on_cuda(spec("cuda"))
     monkeypatch.setenv("SPLITSERVE_AUTO_DEVICE", "cpu")
@@ -96,7 +101,8 @@ def test_worker_group_backend_follows_the_engines_device(monkeypatch):
 def test_a_cuda_group_with_more_ranks_than_gpus_is_refused_at_start(monkeypatch):
     from splitserve.engine.worker_runtime import WorkerGroup, WorkerSpec
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a host with one GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     spec = WorkerSpec(model=None, role="prefill", tensor_parallel_size=2, engine_options={"device": "cuda"})
     with pytest.raises(ValueError, match=r"2 ranks \(--tp 2 x --pp 1\) on CUDA need a GPU each and this host has 1"):
         WorkerGroup(spec, hooks_factory=None)
@@ -107,7 +113,8 @@ def test_the_rank_launcher_refuses_a_cuda_group_with_more_ranks_than_gpus(monkey
     need a GPU per rank, refused before any rank is spawned; CPU engines on a GPU host use gloo."""
     from splitserve.engine.devices import group_on_cuda
 
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # a host with one GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ValueError, match=r"4 ranks \(--tp 2 x --pp 2\) on CUDA need a GPU each and this host has 1"):
         generate_on_ranks(None, [[1, 2]], PARAMS, 2, 2, device="cuda")
     assert group_on_cuda("cuda", 1)  # one rank needs no group
