@@ -40,9 +40,7 @@ def prepare(
     prompts: object, params: SamplingParams | None, tokenizer: Tokenizer | None, request_ids: Sequence[str] | None
 ) -> tuple[list[PreparedRequest], bool]:
     """One PreparedRequest per prompt, in input order, and whether `prompts` was a single prompt."""
-    params = params or SamplingParams()
-    if not isinstance(params, SamplingParams):
-        raise TypeError(f"params must be splitserve.client.SamplingParams, got {type(params).__name__}")
+    params = SamplingParams.coerce(params or SamplingParams())
     prompt_list = as_prompt_list(prompts)
     if request_ids is not None and len(request_ids) != len(prompt_list):
         raise ValueError(f"got {len(request_ids)} request ids for {len(prompt_list)} prompts")

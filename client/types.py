@@ -70,6 +70,28 @@ class SamplingParams:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must be non-empty strings, got {word!r}")
 
+    @classmethod
+    def coerce(cls, params: object) -> SamplingParams:
+        """`params` as the SDK's SamplingParams: itself, or the engine's (`splitserve.SamplingParams`,
+        what `LLM.generate` takes) field by field, so code moves between the two unchanged.
+        ValueError for an engine option the router's API cannot carry (named); TypeError else."""
+        if isinstance(params, cls):
+            return params
+        if type(params).__module__ != "splitserve.engine.sampling_params":  # by name: no engine import here
+            raise TypeError(f"params must be splitserve.client.SamplingParams (or splitserve.SamplingParams), "
+                            f"got {type(params).__name__}")
+        unsupported = {name: getattr(params, name) for name, default in _ENGINE_ONLY.items()
+                       if getattr(params, name, default) != default}
+        if unsupported:
+            raise ValueError(f"the router's API cannot carry {unsupported} (engine-only SamplingParams options)")
+        return cls(**{name: getattr(params, name) for name in cls.__dataclass_fields__})
+
+
+_ENGINE_ONLY = {"num_tokens_total": None, "detokenize_stop_sequence": False, "return_prompt_tokens": False,
+                "ignore_eos": False, "output_offset": 0}
+"""Engine SamplingParams options with no field in the router's API, at their defaults (its
+`skip_prompt_log_probs` needs none: the SDK never returns prompt log-probs)."""
+
 
 @dataclass(frozen=True)
 class Usage:

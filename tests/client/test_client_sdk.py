@@ -113,6 +113,29 @@ def test_options_are_validated():
     assert ClientOptions().backoff_s(10) <= 2.4
 
 
+def test_the_engines_sampling_params_are_taken_field_by_field(client, router):
+    """Code moves between `LLM.generate` and `Client.generate` unchanged: `splitserve.SamplingParams`
+    (the engine's) is sent as the SDK's; its options the router's API has no field for are refused
+    by name, before anything is sent."""
+    from splitserve import SamplingParams as EngineSamplingParams
+
+    sent_before = len(router.record.requests)
+    params = EngineSamplingParams(num_tokens_to_generate=5, temperature=0.0, top_k=3, top_p=0.5, seed=7,
+                                  stop_words=("zz",), return_log_probs=True, top_n_logprobs=2)  # fmt: skip
+    [result] = client.generate("Hello", params)
+    assert len(result.generated_tokens) == 5 and len(result.top_n_logprobs) == 5
+    sent = router.record.requests[sent_before].sampling_params
+    assert (sent.num_tokens_to_generate, sent.temperature, sent.top_k, sent.top_p, sent.seed, list(sent.stop_words),
+            sent.return_log_probs, sent.top_n_logprobs) == (5, 0.0, 3, 0.5, 7, ["zz"], True, 2)  # fmt: skip
+    with pytest.raises(ValueError, match=r"cannot carry \{'ignore_eos': True\}"):
+        client.generate("Hello", EngineSamplingParams(ignore_eos=True))
+    with pytest.raises(ValueError, match="num_tokens_total"):
+        client.generate("Hello", EngineSamplingParams(num_tokens_to_generate=None, num_tokens_total=64))
+    with pytest.raises(TypeError, match="params must be splitserve.client.SamplingParams"):
+        client.generate("Hello", {"num_tokens_to_generate": 3})
+    assert len(router.record.requests) == sent_before + 1
+
+
 def test_generate_returns_typed_results_in_input_order(client, tokenizer):
     params = SamplingParams(num_tokens_to_generate=64, return_log_probs=True, top_n_logprobs=2)
     results = client.generate(["Hello", [1, 500, 600], "Third"], params)
