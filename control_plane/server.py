@@ -108,6 +108,9 @@ class ControlPlaneServer:
 
     async def start(self) -> str:
         """Checks the spec against etcd, starts serving and campaigning; returns the bound address."""
+        reason = self.config.spec.unservable_reason()
+        if reason is not None:  # a warning: the spec may be grown later (a new control plane with a new spec)
+            log.warning("%s", reason)
         await self._store.ensure_spec()
         await self._feed.start()
         server = grpc_security.aio_server()

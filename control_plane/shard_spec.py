@@ -138,6 +138,15 @@ class ShardSpec:
     def num_ranks(self) -> int:
         return sum(group.num_ranks for group in self.groups)
 
+    def unservable_reason(self) -> str | None:
+        """Why a cluster of this spec alone can answer no request (None: it can): decode workers
+        generate every token (a decode worker prefills a prompt itself when no prefill worker
+        is routable), so a spec without a decode group serves nothing."""
+        if not any(group.role is Role.DECODE for group in self.groups):
+            return (f"--inference-shards {self.to_text()!r} has no decode group: decode workers generate "
+                    "every token, so prefill workers alone answer no request; add one, e.g. '+tp=1,role=decode'")
+        return None
+
     def to_text(self) -> str:
         """Canonical text: parsing it gives an equal spec."""
         return "+".join(group.to_text() for group in self.groups)

@@ -85,7 +85,9 @@ class UpConfig:
     """SPLITSERVE_* variables every child gets: the security options (TLS, etcd credentials), kept off `ps`."""
 
     def __post_init__(self) -> None:
-        parse_inference_shards(self.inference_shards)  # ShardSpecError names the bad token
+        reason = parse_inference_shards(self.inference_shards).unservable_reason()  # ShardSpecError names a bad token
+        if reason is not None:
+            raise ValueError(reason)
         if self.engine not in ("torch", "sim"):
             raise ValueError(f"engine must be 'torch' or 'sim', got {self.engine!r}")
         if self.transport not in UP_TRANSPORTS:

@@ -78,3 +78,10 @@ def test_slots_of_a_tp_pp_dp_group():
         (4, 1, 0, 0, 0), (5, 1, 0, 1, 1), (6, 1, 1, 0, 2), (7, 1, 1, 1, 3),
     ]  # fmt: skip
     assert {s.world_size for s in slots} == {4}
+
+
+def test_a_spec_without_a_decode_group_is_said_to_serve_nothing():
+    assert parse_inference_shards("tp=1,role=decode").unservable_reason() is None  # decode prefills itself
+    assert parse_inference_shards("tp=2,role=prefill+tp=1,role=decode,dp=2").unservable_reason() is None
+    reason = parse_inference_shards("tp=2,role=prefill,dp=2").unservable_reason()
+    assert "'role=prefill,tp=2,pp=1,dp=2' has no decode group" in reason

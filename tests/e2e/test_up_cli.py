@@ -74,6 +74,7 @@ def test_missing_etcd_fails_fast_and_says_how_to_install_it(tmp_path):
         (["--model", "/nonexistent/model"], "is not a directory"),
         (["--port", "70000"], "port must be in"),
         (["--transport", "inproc"], "invalid choice: 'inproc'"),  # each worker is a process of its own
+        (["--inference-shards", "tp=1,role=prefill"], "has no decode group"),  # would answer no request
         (["--transport", "cuda_ipc", "--device", "cpu"], "cuda_ipc maps GPU memory"),
     ],
 )
