@@ -39,6 +39,9 @@ class StartupError(RuntimeError):
     """The cluster did not come up; the message says which process and why."""
 
 
+EXTERNAL_ETCD_WAIT_S = 15.0
+"""How long `--etcd HOST:PORT` (an etcd up does not start) may take to answer /health."""
+
 UP_TRANSPORTS = ("auto", "nixl", "shm", "cuda_ipc", "torch_dist")
 """KV transports between the workers of a one-machine cluster (`--transport` of `splitserve up`)."""
 
@@ -164,7 +167,13 @@ class LocalCluster:
     async def _start_etcd(self) -> None:
         if self.config.etcd:
             self.endpoints.etcd = self.config.etcd
-            await poll(lambda: etcd_healthy(self.config.etcd), None, f"etcd at {self.config.etcd} is not healthy")
+            try:  # a running etcd answers at once: no need to wait out the whole start-up timeout
+                async with asyncio.timeout(EXTERNAL_ETCD_WAIT_S):
+                    await poll(lambda: etcd_healthy(self.config.etcd), None, f"etcd at {self.config.etcd} is not healthy")
+            except TimeoutError:
+                raise StartupError(f"etcd at {self.config.etcd} did not answer its /health check within "
+                                   f"{EXTERNAL_ETCD_WAIT_S:.0f} s: is it running and listening on that address? "
+                                   "(without --etcd, splitserve up starts its own)") from None
             self._done("etcd", self.config.etcd, "(external)")
             return
         binary = self.config.etcd_binary or shutil.which("etcd")

@@ -66,6 +66,18 @@ def test_missing_etcd_fails_fast_and_says_how_to_install_it(tmp_path):
     assert "--etcd HOST:PORT" in out.stdout
 
 
+def test_an_unreachable_external_etcd_fails_in_seconds_and_says_so(tmp_path):
+    """`--etcd HOST:PORT` names an etcd up does not start: when nothing answers there, up says so
+    after EXTERNAL_ETCD_WAIT_S (15 s) instead of waiting out --startup-timeout (180 s) silently."""
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    started = time.monotonic()
+    out = _run("--port", "0", "--etcd", f"127.0.0.1:{port}", "--work-dir", str(tmp_path / "w"), timeout=60)
+    assert out.returncode == 1 and time.monotonic() - started < 40
+    assert f"etcd at 127.0.0.1:{port} did not answer its /health check within 15 s" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
