@@ -82,6 +82,11 @@ def parse_endpoint(text: str) -> tuple[str, int]:
     return host, int(port)
 
 
+class EtcdUnavailableError(ConnectionError):
+    """etcd could not be reached (or refused us) where a process cannot go on without it, such as
+    a worker's first registration: the message names the endpoint, for a one-line error."""
+
+
 def connect(endpoint: str, *, timeout_s: float = 5.0, options: EtcdOptions | None = None) -> aetcd.Client:
     """A client for `endpoint`; it connects (and authenticates) lazily on first use.
 

@@ -224,6 +224,9 @@ async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, wor
     it asks for `spec.world_size` ranks and must get a complete replica. It
     advertises its KV-event endpoint and block size for routers.
     """
+    import aetcd
+
+    from splitserve.control_plane.etcd_client import EtcdUnavailableError
     from splitserve.control_plane.keys import ClusterKeys
     from splitserve.control_plane.shard_spec import Role
     from splitserve.control_plane.worker_registration import WorkerRegistration
@@ -238,7 +241,10 @@ async def _register(spec: WorkerSpec, etcd: str, cluster: str, address: str, wor
         kv_events_endpoint=publisher.endpoint,
         kv_block_size=publisher.block_size,
     )
-    assignment = await registration.start()
+    try:
+        assignment = await registration.start()
+    except aetcd.ClientError as exc:  # no etcd there (or it refused us): one line, not aetcd's traceback
+        raise EtcdUnavailableError(f"etcd at {etcd}: {exc}") from exc
     try:
         if spec.engine_options.get("pack_for_tp") == "auto":  # it reads the shard spec from the topology
             with contextlib.suppress(TimeoutError):
@@ -263,6 +269,9 @@ def run_worker_main(coro_factory: Callable[[], object], service: str = "splitser
     init_process(service, logging.INFO)
     try:
         asyncio.run(coro_factory())
+    except ConnectionError as exc:  # etcd unreachable (EtcdUnavailableError) and the like: may pass on a retry
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except (ValueError, FileNotFoundError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -92,3 +92,16 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_worker_without_etcd_says_so_in_one_line():
+    """No etcd at --etcd: exit 1 (a retry may pass) with the endpoint named, not aetcd's traceback."""
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    out = subprocess.run([sys.executable, "-m", "splitserve", "decode-worker", "--engine", "sim", "--etcd",
+                          f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stderr
+    assert f"error: etcd at 127.0.0.1:{port}:" in out.stderr and "Traceback" not in out.stderr, out.stderr
