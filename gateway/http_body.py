@@ -55,7 +55,8 @@ def parse_json_object(body: bytes) -> dict[str, Any]:
     except ValueError as e:  # _reject_constant
         raise bad_request(str(e)) from None
     if not isinstance(value, dict):
-        raise bad_request(f"the request body must be a JSON object, got a JSON {type(value).__name__}")
+        kind = {list: "array", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(value), "null")
+        raise bad_request(f"the request body must be a JSON object, got a JSON {kind}")
     try:
         _check_strings(value)
     except RecursionError:

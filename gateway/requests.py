@@ -183,6 +183,13 @@ class ChatMessage(_Strict):
     def _validate_content(cls, value: Any) -> Any:
         return _check_content(value)
 
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        # as OpenAI's API: only an assistant message that calls tools may leave its content out
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a message of role {self.role!r} needs content")
+        return self
+
     @property
     def text(self) -> str:
         if self.content is None:
