@@ -95,7 +95,7 @@ class LLM:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[GenerationResult]:
-        params = sampling_params or SamplingParams()
+        params = SamplingParams.coerce(sampling_params or SamplingParams())
         batch = [self.encode(p, params) for p in self._normalise(prompts)]
         for ids in batch:
             self.engine.validate(ids, params)
@@ -157,7 +157,7 @@ class AsyncLLM:
 
     async def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> AsyncIterator[GenerationResult]:
         """Yield a result snapshot after every new token; the last has `is_finished`."""
-        params = sampling_params or SamplingParams()
+        params = SamplingParams.coerce(sampling_params or SamplingParams())
         ids = self._sync.encode(prompt, params)
         request_id = self.engine.next_request_id()
         queue: asyncio.Queue = asyncio.Queue()
@@ -181,7 +181,7 @@ class AsyncLLM:
     async def generate(
         self, prompts: Prompt | Sequence[Prompt], sampling_params: SamplingParams | None = None
     ) -> list[GenerationResult]:
-        params = sampling_params or SamplingParams()
+        params = SamplingParams.coerce(sampling_params or SamplingParams())
         normalised = self._sync._normalise(prompts)
         for p in normalised:  # validate all before queueing any
             self.engine.validate(self._sync.encode(p, params), params)

@@ -78,6 +78,18 @@ class SamplingParams:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must be non-empty strings, got {word!r}")
 
+    @classmethod
+    def coerce(cls, params: object) -> SamplingParams:
+        """`params` as the engine's SamplingParams: itself, or the SDK's (`splitserve.client.SamplingParams`,
+        a subset of these fields) field by field, so code moves between `Client.generate` and
+        `LLM.generate` unchanged; TypeError naming what it got otherwise."""
+        if isinstance(params, cls):
+            return params
+        if type(params).__module__ == "splitserve.client.types":  # by name: the engine does not import the SDK
+            return cls(**{name: getattr(params, name) for name in type(params).__dataclass_fields__})
+        raise TypeError(f"sampling params must be splitserve.SamplingParams (or splitserve.client.SamplingParams), "
+                        f"got {type(params).__name__}")
+
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1

@@ -117,6 +117,21 @@ def test_bad_prompts_leave_nothing_in_the_pool(llm):
     engine.check_integrity()
 
 
+def test_the_sdks_sampling_params_are_taken_field_by_field(llm):
+    """Code moves between `Client.generate` and `LLM.generate` unchanged: the SDK's SamplingParams
+    (a subset of the engine's fields) gives the same tokens; anything else is a TypeError naming it."""
+    from splitserve.client import SamplingParams as ClientSamplingParams
+
+    prompt = [[5, 17, 33, 2]]
+    fields = dict(num_tokens_to_generate=6, temperature=0.7, top_k=5, seed=11, return_log_probs=True)
+    mine = llm.generate(prompt, SamplingParams(**fields))[0]
+    sdks = llm.generate(prompt, ClientSamplingParams(**fields))[0]
+    assert sdks.generated_tokens == mine.generated_tokens and sdks.generated_log_probs == mine.generated_log_probs
+    with pytest.raises(TypeError, match="sampling params must be splitserve.SamplingParams .*got dict"):
+        llm.generate(prompt, {"num_tokens_to_generate": 3})
+    assert llm.engine.pool.stats().num_in_use == 0
+
+
 def test_missing_or_unsupported_checkpoints_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
