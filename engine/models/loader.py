@@ -7,7 +7,9 @@ Pickle checkpoints (`*.bin`, `*.pt`) are refused: loading them runs code.
 from __future__ import annotations
 
 import json
+import os
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -18,6 +20,10 @@ from splitserve.engine.parallel import kv_heads_of_rank
 
 _LAYER = re.compile(r"^(?:model|backbone)\.layers\.(\d+)\.(.+)$")
 _PREFIXES = ("model.", "backbone.")  # Llama-family / NemotronH checkpoints
+PROGRESS_MIN_BYTES = 1 << 30
+"""Checkpoints this large or larger (all their files) show a progress bar while they load."""
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2,
+                "U16": 2}  # anything else (int8, fp8, bool): 1
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -80,38 +86,37 @@ def _local_name(name: str, model: CausalLM) -> str | None:
     return name
 
 
+def _progress(files: list[Path], model: CausalLM):
+    """A bar in bytes of checkpoint tensors read (skipped ones too, so it ends at 100%) on stderr:
+    shown by the first rank for checkpoints of `PROGRESS_MIN_BYTES` or more when stderr is a
+    terminal; `SPLITSERVE_PROGRESS=1` / `0` forces it on / off (logs, tests)."""
+    from tqdm import tqdm
+
+    total = sum(f.stat().st_size for f in files)
+    forced = os.environ.get("SPLITSERVE_PROGRESS")
+    show = forced == "1" or (forced != "0" and total >= PROGRESS_MIN_BYTES and model.ps.rank == 0
+                             and sys.stderr.isatty())  # fmt: skip
+    return tqdm(total=total, desc="loading weights", unit="B", unit_scale=True, unit_divisor=1024,
+                disable=not show, file=sys.stderr)  # fmt: skip
+
+
+def _tensor_bytes(f, name: str) -> int:
+    view = f.get_slice(name)
+    size = _DTYPE_BYTES.get(view.get_dtype(), 1)
+    for dim in view.get_shape():
+        size *= dim
+    return size
+
+
 def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: torch.device) -> None:
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     unexpected: list[str] = []
-    for file in checkpoint_files(Path(path)):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                local = _local_name(name, model)
-                if local is None or local.endswith("rotary_emb.inv_freq"):
-                    continue
-                if local not in params:
-                    if not _is_other_stage(local, model):
-                        unexpected.append(name)
-                    continue
-                shard = _shard(name, model)
-                if shard is None:
-                    tensor = f.get_tensor(name)
-                else:
-                    dim, sl = shard
-                    if isinstance(sl, torch.Tensor):  # a gather of non-contiguous rows (mamba in_proj, conv)
-                        tensor = f.get_tensor(name).index_select(dim, sl)
-                    else:
-                        view = f.get_slice(name)
-                        tensor = view[sl] if dim == 0 else view[:, sl]
-                param = params[local]
-                if tuple(tensor.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                        f"expected {tuple(param.shape)} for this rank"
-                    )
-                param.data = tensor.to(device=device, dtype=dtype)
-                loaded.add(local)
+    files = checkpoint_files(Path(path))
+    with _progress(files, model) as bar:
+        for file in files:
+            _load_file(file, model, params, dtype, device, loaded, unexpected, bar)
+        bar.update(bar.total - bar.n)  # the files' headers
     if unexpected:
         raise ValueError(f"checkpoint {str(path)!r} has weights this model does not use: {unexpected[:5]}")
     missing = sorted(set(params) - loaded)
@@ -119,6 +124,43 @@ def load_weights(model: CausalLM, path: str | Path, dtype: torch.dtype, device: 
         raise ValueError(f"checkpoint {str(path)!r} lacks weights: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
     # Buffers stay as built (the rotary inverse frequencies remain float32, as in HF).
     model.eval()
+
+
+def _load_file(file: Path, model: CausalLM, params: dict, dtype: torch.dtype, device: torch.device, loaded: set[str],
+               unexpected: list[str], bar) -> None:  # fmt: skip
+    """This rank's tensors of one checkpoint file into `params` (names added to `loaded`)."""
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+            local = _local_name(name, model)
+            if local is None or local.endswith("rotary_emb.inv_freq"):
+                pass
+            elif local not in params:
+                if not _is_other_stage(local, model):
+                    unexpected.append(name)
+            else:
+                params[local].data = _read(f, name, model, params[local]).to(device=device, dtype=dtype)
+                loaded.add(local)
+            if not bar.disable:
+                bar.update(_tensor_bytes(f, name))
+
+
+def _read(f, name: str, model: CausalLM, param: torch.Tensor) -> torch.Tensor:
+    """Checkpoint tensor `name` as this rank keeps it (its tensor-parallel shard), shape-checked."""
+    shard = _shard(name, model)
+    if shard is None:
+        tensor = f.get_tensor(name)
+    else:
+        dim, sl = shard
+        if isinstance(sl, torch.Tensor):  # a gather of non-contiguous rows (mamba in_proj, conv)
+            tensor = f.get_tensor(name).index_select(dim, sl)
+        else:
+            view = f.get_slice(name)
+            tensor = view[sl] if dim == 0 else view[:, sl]
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)} for this rank"
+        )
+    return tensor
 
 
 def _is_other_stage(local: str, model: CausalLM) -> bool:

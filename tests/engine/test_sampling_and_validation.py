@@ -132,6 +132,18 @@ def test_the_sdks_sampling_params_are_taken_field_by_field(llm):
     assert llm.engine.pool.stats().num_in_use == 0
 
 
+def test_loading_weights_shows_a_progress_bar_where_asked(llama_ckpt, monkeypatch, capsys):
+    """engine/models/loader.py: a bar in checkpoint bytes on stderr (by default for checkpoints of
+    1 GiB or more on a terminal; SPLITSERVE_PROGRESS=1 / 0 forces it), ending at 100%."""
+    monkeypatch.setenv("SPLITSERVE_PROGRESS", "1")
+    LLM(str(llama_ckpt), **OPTIONS)
+    shown = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    assert any(line.startswith("loading weights: 100%") for line in shown), shown
+    monkeypatch.delenv("SPLITSERVE_PROGRESS")  # small checkpoint, stderr no terminal: quiet
+    LLM(str(llama_ckpt), **OPTIONS)
+    assert "loading weights" not in capsys.readouterr().err
+
+
 def test_missing_or_unsupported_checkpoints_fail_clearly(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LLM(str(tmp_path / "nope"))
