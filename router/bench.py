@@ -88,6 +88,28 @@ def load_trace(path: Path, limit: int | None = None) -> list[TraceRequest]:
     return requests
 
 
+def synthetic_trace(num_requests: int = 2000, seed: int = 0, *, num_prefixes: int = 64,
+                    mean_interarrival_s: float = 0.05, block_size: int = 512) -> list[TraceRequest]:
+    """A seeded Mooncake-shaped trace, for when no trace file is at hand (the bench's default off
+    this repository's checkout): each request is a shared prefix — one of `num_prefixes`
+    (a system prompt, a document, a conversation so far: 2-24 blocks), picked with Zipf-like
+    popularity (weight 1 / rank) — then 1-8 blocks of its own; Poisson arrivals; 16-512 output
+    tokens. Block ids are chained as Mooncake's are: an id names its whole prefix."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = iter(range(1 << 62)).__next__
+    prefixes = [tuple(next_id() for _ in range(rng.randint(2, 24))) for _ in range(num_prefixes)]
+    weights = [1.0 / (rank + 1) for rank in range(num_prefixes)]
+    requests, now = [], 0.0
+    for _ in range(num_requests):
+        now += rng.expovariate(1.0 / mean_interarrival_s)
+        blocks = rng.choices(prefixes, weights)[0] + tuple(next_id() for _ in range(rng.randint(1, 8)))
+        requests.append(TraceRequest(now, len(blocks) * block_size - rng.randrange(block_size),
+                                     rng.randint(16, 512), blocks))  # fmt: skip
+    return requests
+
+
 @dataclass(frozen=True)
 class SimConfig:
     """The simulated cluster (flags of the same names)."""

@@ -87,3 +87,26 @@ def test_cli_json_and_missing_trace(tmp_path, capsys):
     }
     assert cli_main(["bench", "router", "--trace", str(tmp_path / "missing.jsonl")]) == 2
     assert "not found" in capsys.readouterr().err
+
+
+def test_without_a_trace_file_the_bench_replays_a_seeded_synthetic_trace(monkeypatch, capsys):
+    """Off this repository's checkout (no ../shared trace) the default still runs, offline, on a
+    synthetic trace whose shared prefixes reward prefix-aware routing."""
+    import splitserve.router.bench_cli as bench_cli
+    from splitserve.router.bench import synthetic_trace
+
+    trace = synthetic_trace(400, seed=3)
+    assert trace == synthetic_trace(400, seed=3) and trace != synthetic_trace(400, seed=4)
+    assert all(a.arrival_s <= b.arrival_s for a, b in zip(trace, trace[1:], strict=False))
+    seen: dict = {}  # chained ids: an id names its whole prefix, so it always follows the same one
+    for r in trace:
+        assert 0 < r.input_length <= 512 * len(r.block_hashes)
+        for i, block in enumerate(r.block_hashes):
+            assert seen.setdefault(block, r.block_hashes[:i]) == r.block_hashes[:i]
+    monkeypatch.setattr(bench_cli, "DEFAULT_TRACE", bench_cli.Path("/nonexistent/trace.jsonl"))
+    argv = ["bench", "router", "--limit", "300", "--workers", "8", "--latency-workers", "4", "--json",
+            "--policy", "longest_prefix", "--policy", "round_robin"]  # fmt: skip
+    assert cli_main(argv) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert figures["longest_prefix"]["cached_fraction"] > figures["round_robin"]["cached_fraction"] + 0.1
+    assert figures["longest_prefix"]["ratio_to_oracle"] == 1.0
