@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -45,6 +46,9 @@ def prepare(
     if request_ids is not None and len(request_ids) != len(prompt_list):
         raise ValueError(f"got {len(request_ids)} request ids for {len(prompt_list)} prompts")
     ids = list(request_ids) if request_ids is not None else [new_request_id() for _ in prompt_list]
+    repeated = sorted(rid for rid, n in Counter(ids).items() if n > 1)
+    if repeated:  # else the router refuses the second as already running, after the first has started
+        raise ValueError(f"request ids must be unique within a call; repeated: {repeated}")
     prepared = [PreparedRequest(rid, encode(p, tokenizer, params.add_BOS), params) for rid, p in zip(ids, prompt_list, strict=True)]
     return prepared, is_single_prompt(prompts)
 

@@ -136,6 +136,13 @@ def test_the_engines_sampling_params_are_taken_field_by_field(client, router):
     assert len(router.record.requests) == sent_before + 1
 
 
+def test_repeated_request_ids_are_refused_before_anything_is_sent(client, router):
+    sent_before = len(router.record.requests)
+    with pytest.raises(ValueError, match=r"request ids must be unique within a call; repeated: \['x'\]"):
+        client.generate(["a", "b", "c"], request_ids=["x", "y", "x"])
+    assert len(router.record.requests) == sent_before
+
+
 def test_generate_returns_typed_results_in_input_order(client, tokenizer):
     params = SamplingParams(num_tokens_to_generate=64, return_log_probs=True, top_n_logprobs=2)
     results = client.generate(["Hello", [1, 500, 600], "Third"], params)
