@@ -98,6 +98,8 @@ class UpConfig:
             raise ValueError(f"transport must be one of {', '.join(UP_TRANSPORTS)}, got {self.transport!r}{hint}")
         if self.transport == "cuda_ipc" and self.engine == "torch" and self.device == "cpu":
             raise ValueError("transport cuda_ipc maps GPU memory: it needs --device cuda (or auto on a CUDA host)")
+        if self.transport == "shm" and self.engine == "torch" and self.device.startswith("cuda"):
+            raise ValueError("transport shm maps CPU pools: GPU workers hand off over nixl (default) or cuda_ipc")
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("port", "router_port", "control_plane_port"):
