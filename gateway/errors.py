@@ -75,7 +75,9 @@ def from_sdk_error(error: sdk_errors.SplitserveError) -> APIError:
     if isinstance(error, sdk_errors.DeadlineExceededError):
         return APIError(504, f"the request did not finish in time: {error.details}")
     if isinstance(error, sdk_errors.UnavailableError | sdk_errors.FailedPreconditionError):
-        return APIError(503, f"no worker could serve the request: {error.details or error}")
+        # the router's own (no routable worker, a worker failed) or the router unreachable: the
+        # details say which; "no worker" would blame the workers for a router that is down
+        return APIError(503, f"the cluster could not serve the request now (a retry may): {error.details or error}")
     return APIError(500, f"the router failed: {error}", code="router_error")
 
 

@@ -223,4 +223,5 @@ def test_health_is_503_without_a_router():
         assert request(url, "GET", "/health")[0] == 503
         status, body, _ = post(url, "/v1/completions", {"prompt": "x"})
         assert status == 503 and body["error"]["type"] == "service_unavailable"
+        assert body["error"]["message"].startswith("the cluster could not serve the request now"), body
         assert time.monotonic() - started < 20
