@@ -95,10 +95,11 @@ def synthetic_trace(num_requests: int = 2000, seed: int = 0, *, num_prefixes: in
     (a system prompt, a document, a conversation so far: 2-24 blocks), picked with Zipf-like
     popularity (weight 1 / rank) — then 1-8 blocks of its own; Poisson arrivals; 16-512 output
     tokens. Block ids are chained as Mooncake's are: an id names its whole prefix."""
+    import itertools
     import random
 
     rng = random.Random(seed)
-    next_id = iter(range(1 << 62)).__next__
+    next_id = itertools.count().__next__
     prefixes = [tuple(next_id() for _ in range(rng.randint(2, 24))) for _ in range(num_prefixes)]
     weights = [1.0 / (rank + 1) for rank in range(num_prefixes)]
     requests, now = [], 0.0

@@ -164,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: --alpha must be in [0, 1]", file=sys.stderr)
         return 2
     try:
-        requests = synthetic_trace(args.limit or 2000) if synthetic else load_trace(trace, args.limit)
+        requests = synthetic_trace(args.limit or 2000, block_size=args.block_size) if synthetic else load_trace(trace, args.limit)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

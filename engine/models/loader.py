@@ -131,15 +131,12 @@ def _load_file(file: Path, model: CausalLM, params: dict, dtype: torch.dtype, de
     """This rank's tensors of one checkpoint file into `params` (names added to `loaded`)."""
     with safe_open(str(file), framework="pt", device="cpu") as f:
         for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-            local = _local_name(name, model)
-            if local is None or local.endswith("rotary_emb.inv_freq"):
-                pass
-            elif local not in params:
-                if not _is_other_stage(local, model):
-                    unexpected.append(name)
-            else:
+            local = _local_name(name, model)  # None: another stage's layer
+            if local in params:
                 params[local].data = _read(f, name, model, params[local]).to(device=device, dtype=dtype)
                 loaded.add(local)
+            elif local is not None and not local.endswith("rotary_emb.inv_freq") and not _is_other_stage(local, model):
+                unexpected.append(name)
             if not bar.disable:
                 bar.update(_tensor_bytes(f, name))
 
