@@ -96,10 +96,8 @@ class UpConfig:
         if self.transport not in UP_TRANSPORTS:
             hint = " (in-process: each worker here is a process of its own)" if self.transport == "inproc" else ""
             raise ValueError(f"transport must be one of {', '.join(UP_TRANSPORTS)}, got {self.transport!r}{hint}")
-        if self.transport == "cuda_ipc" and self.engine == "torch" and self.device == "cpu":
-            raise ValueError("transport cuda_ipc maps GPU memory: it needs --device cuda (or auto on a CUDA host)")
-        if self.transport == "shm" and self.engine == "torch" and self.device.startswith("cuda"):
-            raise ValueError("transport shm maps CPU pools: GPU workers hand off over nixl (default) or cuda_ipc")
+        if self.transport in ("cuda_ipc", "shm") and self.engine == "torch":
+            self._check_transport_device()
         if isinstance(self.max_restarts, bool) or not isinstance(self.max_restarts, int) or self.max_restarts < 0:
             raise ValueError(f"max_restarts must be an integer >= 0, got {self.max_restarts!r}")
         for name in ("port", "router_port", "control_plane_port"):
@@ -107,6 +105,23 @@ class UpConfig:
                 raise ValueError(f"{name} must be in [0, 65536), got {getattr(self, name)!r}")
         if self.model is not None and not Path(self.model).is_dir():
             raise ValueError(f"--model {str(self.model)!r} is not a directory")
+
+    def _check_transport_device(self) -> None:
+        """cuda_ipc maps GPU pools, shm CPU ones: refused up front for workers on the other kind of
+        device, rather than a worker exiting with a transport's message. `--device auto` is resolved
+        as the workers will (`engine.devices.resolve_device`); only here does `up` import torch."""
+        device = self.device
+        if device == "auto":
+            from splitserve.engine.devices import resolve_device
+
+            device = resolve_device("auto").type
+        where = "" if self.device != "auto" else f" (--device auto is {device} here)"
+        if self.transport == "cuda_ipc" and not device.startswith("cuda"):
+            raise ValueError(f"transport cuda_ipc maps GPU memory: it needs workers on CUDA{where}; "
+                             f"CPU workers hand off over nixl (default) or shm")
+        if self.transport == "shm" and device.startswith("cuda"):
+            raise ValueError(f"transport shm maps CPU pools: GPU workers{where} hand off over nixl (default) or "
+                             f"cuda_ipc")
 
 
 @dataclass

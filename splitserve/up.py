@@ -190,11 +190,15 @@ async def _main(config: UpConfig, *, show_logs: bool, drop_env: frozenset[str] =
 
 
 def _print_ready(cluster: LocalCluster) -> None:
+    """The banner. Its SDK line is a constructor to paste: it names the tokenizer, without which
+    the client takes token ids only and refuses text prompts."""
     e = cluster.endpoints
+    tokenizer = str(cluster.config.model) if cluster.config.model else "default"
     _say(
         f"\nsplitserve is up.\n"
         f"  OpenAI API   {e.gateway_url}/v1   (docs {e.gateway_url}/docs, metrics {e.gateway_url}/metrics)\n"
-        f"  gRPC SDK     splitserve.client.Client({e.router!r}, control_plane={e.control_plane!r})\n"
+        f"  gRPC SDK     splitserve.client.Client({e.router!r}, control_plane={e.control_plane!r}, "
+        f"tokenizer={tokenizer!r})\n"
         f"  Press Ctrl-C to stop.\n"
         f"READY {e.gateway_url}"
     )

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
+import splitserve
 from splitserve.client import AsyncClient, Client, FinishReason, LifecycleState, SamplingParams
 from tests.e2e.process_tree import alive, descendants
 from tests.gateway.http_helpers import post, request
@@ -57,9 +58,10 @@ def cluster(tmp_path_factory):
             _stop(proc)
             raise RuntimeError("splitserve up did not become ready:\n" + "".join(output))
     startup_s = time.monotonic() - started
-    sdk = re.search(r"Client\('([^']+)', control_plane='([^']+)'\)", "".join(output))
-    info = dict(proc=proc, url=url, router=sdk.group(1), control_plane=sdk.group(2), startup_s=startup_s,
-                output=output, lines=lines, work=work)  # fmt: skip
+    sdk = re.search(r"(splitserve\.client\.Client\('([^']+)', control_plane='([^']+)', tokenizer='default'\))",
+                    "".join(output))
+    info = dict(proc=proc, url=url, sdk_line=sdk.group(1), router=sdk.group(2), control_plane=sdk.group(3),
+                startup_s=startup_s, output=output, lines=lines, work=work)  # fmt: skip
     yield info
     _stop(proc)
 
@@ -117,7 +119,7 @@ def test_completion_chat_and_greedy_equals_llm(oai, cluster, llm):
         out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
         assert out.choices[0].text == want.generated_text
         assert out.usage.completion_tokens == len(want.generated_tokens)
-    with Client(cluster["router"], tokenizer="default") as client:
+    with eval(cluster["sdk_line"], {"splitserve": splitserve}) as client:  # the banner's line, pasted as printed
         results = client.generate(prompts, SamplingParams(num_tokens_to_generate=24, temperature=0))
     assert [r.generated_tokens for r in results] == [tuple(e.generated_tokens) for e in expected]
     assert all(r.routing.prefill_worker_id for r in results)  # disaggregated: prefill and decode workers

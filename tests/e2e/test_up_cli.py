@@ -89,6 +89,7 @@ def test_an_unreachable_external_etcd_fails_in_seconds_and_says_so(tmp_path):
         (["--inference-shards", "tp=1,role=prefill"], "has no decode group"),  # would answer no request
         (["--transport", "cuda_ipc", "--device", "cpu"], "cuda_ipc maps GPU memory"),
         (["--transport", "shm", "--device", "cuda"], "shm maps CPU pools"),
+        (["--transport", "cuda_ipc"], "(--device auto is cpu here)"),  # the suite's auto device: cpu (conftest)
     ],
 )
 def test_bad_options_are_refused_before_starting_anything(args, words):
