@@ -36,7 +36,7 @@ from splitserve.gateway.model_info import ModelInfo, load_model_info
 from splitserve.gateway.requests import ChatCompletionRequest, CompletionRequest
 from splitserve.gateway.responses import SSE_DONE, sse
 from splitserve.gateway.streaming import ClientGone, EventStreamResponse, cancel_on_disconnect
-from splitserve.telemetry.http import TraceMiddleware
+from splitserve.telemetry.http import TraceMiddleware, time_to_first_message_s
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +152,8 @@ async def _generate(request: Request, ctx: ServingContext, request_type, run_typ
             is_streaming = True
             return response
         result = await cancel_on_disconnect(request, run.response())
-        metrics.ttft_seconds.labels(endpoint).observe(time.monotonic() - started)
+        ttft_s = time_to_first_message_s()  # the first token, not the whole answer (its last token)
+        metrics.ttft_seconds.labels(endpoint).observe(time.monotonic() - started if ttft_s is None else ttft_s)
         metrics.record_usage(result["usage"])
         return JSONResponse(result, headers={"X-Request-Id": run.id})
     except APIError as e:

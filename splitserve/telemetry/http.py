@@ -54,6 +54,8 @@ class RequestTimeline:
     first_call_ns: int | None = None
     first_chunk_ns: int | None = None
     first_token_ns: int | None = None
+    is_stream: bool = False
+    """An SSE answer (its first token is its first chunk); else a JSON one (see `_first_token`)."""
     router_timing: list = field(default_factory=list)
     """The router's TimingSummary messages (one per choice), when timing was asked for."""
 
@@ -73,12 +75,24 @@ class RequestTimeline:
             phases += [{"name": p.name, "ms": round(p.ms, 3), "is_ttft": p.is_ttft} for p in t.phases]
             out.update(router_time_to_first_token_ms=round(router_ms, 3), total_ms=round(t.total_ms, 3),
                        kv_transfer_bytes=t.kv_transfer_bytes, kv_transfer_gbps=round(t.kv_transfer_gbps, 3))  # fmt: skip
-        phases.append({"name": "gateway.first_chunk", "ms": ms(self.first_chunk_ns, self.first_token_ns), "is_ttft": True})
+        if self.is_stream:
+            phases.append({"name": "gateway.first_chunk", "ms": ms(self.first_chunk_ns, self.first_token_ns),
+                           "is_ttft": True})  # fmt: skip
         out["phases"] = phases
         return out
 
 
 _timeline: contextvars.ContextVar[RequestTimeline | None] = contextvars.ContextVar("splitserve_timeline", default=None)
+
+
+def time_to_first_message_s() -> float | None:
+    """Seconds from the start of the HTTP request being served to the router's first message (its
+    first token); None outside a traced request or before any message. A JSON answer's TTFT, for
+    the gateway's histogram (see `TraceMiddleware._first_token`)."""
+    timeline = _timeline.get()
+    if timeline is None or timeline.first_chunk_ns is None:
+        return None
+    return (timeline.first_chunk_ns - timeline.started_ns) / 1e9
 
 
 def wants_timing() -> bool:
@@ -155,6 +169,7 @@ class TraceMiddleware:
                 out = [(k, v) for k, v in message.get("headers", ()) if k.lower() != b"traceparent"]
                 out += [(k.encode(), v.encode()) for k, v in inject_headers({}, span_context).items()]
                 content_type = dict(message.get("headers", ())).get(b"content-type", b"")
+                timeline.is_stream = content_type.startswith(b"text/event-stream")
                 state["is_json"] = timeline.wants_timing and content_type.startswith(b"application/json")
                 if state["is_json"]:  # the body is rewritten: hold the start until it is
                     state["held"] = {**message, "headers": [(k, v) for k, v in out if k.lower() != b"content-length"]}
@@ -189,10 +204,18 @@ class TraceMiddleware:
 
     @staticmethod
     def _first_token(timeline: RequestTimeline) -> None:
-        timeline.first_token_ns = now = time.time_ns()
+        """A stream's first token is its first body chunk (`gateway.first_chunk`: the router's first
+        message → that chunk: detokenize, SSE). A JSON answer's first body is the whole answer,
+        written after the last token: counting to it would call the whole decode "time to first
+        token" and put it in the gateway's last phase. Its first token is the instant the router's
+        first message reached the gateway, as engines count TTFT whether or not a client streams."""
+        now = time.time_ns() if timeline.is_stream else timeline.first_chunk_ns
+        timeline.first_token_ns = now
         timeline.span.add_event(FIRST_TOKEN, timestamp=now)
-        emit_span("gateway.first_chunk", timeline.first_chunk_ns, now, parent=trace.set_span_in_context(timeline.span),
-                  is_ttft_phase=True)  # fmt: skip
+        timeline.span.set_attribute("splitserve.streamed", timeline.is_stream)
+        if timeline.is_stream:
+            emit_span("gateway.first_chunk", timeline.first_chunk_ns, now,
+                      parent=trace.set_span_in_context(timeline.span), is_ttft_phase=True)  # fmt: skip
         timeline.span.set_attribute("splitserve.ttft_ms", (now - timeline.started_ns) / 1e6)
 
     @staticmethod

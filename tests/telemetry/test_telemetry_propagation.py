@@ -178,3 +178,66 @@ def test_logs_carry_the_trace_id_and_leave_prompts_out(spans, monkeypatch, capsy
     assert not may_log_prompts()
     monkeypatch.setenv("SPLITSERVE_LOG_PROMPTS", "1")
     assert may_log_prompts()
+
+
+class _RouterMessage:
+    """Stands in for a router Generate message: TracedCall reads only whether it carries timing."""
+
+    def HasField(self, name):  # noqa: N802 - the protobuf method's name
+        return False
+
+
+def _decoding_app(decode_s: float):
+    """Endpoints that call the "router" through TracedCall: its first message (the first token)
+    arrives, then the rest of the decode takes `decode_s` before the answer is written."""
+    from splitserve.telemetry.http import TracedCall, time_to_first_message_s
+
+    seen = {}
+
+    async def decode():
+        with TracedCall("router.Generate", (), "r1") as traced:
+            traced.on_message(_RouterMessage())
+            await asyncio.sleep(decode_s)
+        seen["first_message_s"] = time_to_first_message_s()
+
+    async def answer(request):
+        await decode()
+        return JSONResponse({"id": "x", "object": "text_completion"})
+
+    async def stream(request):
+        async def events():
+            with TracedCall("router.Generate", (), "r1") as traced:
+                traced.on_message(_RouterMessage())
+                yield b'data: {"choices": [{"text": "a"}]}\n\n'
+                await asyncio.sleep(decode_s)
+            yield b"data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/answer", answer, methods=["POST"]), Route("/stream", stream, methods=["POST"])])
+    app.add_middleware(TraceMiddleware)
+    return app, seen
+
+
+def test_a_json_answer_s_first_token_is_the_router_s_first_message_not_the_whole_decode(spans):
+    decode_s = 0.3
+    app, seen = _decoding_app(decode_s)
+
+    async def main():
+        return await _post(app, "/answer", {"X-Splitserve-Timing": "1"}), await _post(app, "/stream")
+
+    (_, _, body), _ = asyncio.run(main())
+    finished = spans.get_finished_spans()
+    for path, streamed in (("/answer", False), ("/stream", True)):
+        root = next(s for s in finished if s.name == f"POST {path}")
+        first_token = next(e for e in root.events if e.name == "first_token")
+        ttft_s = (first_token.timestamp - root.start_time) / 1e9
+        assert root.attributes["splitserve.streamed"] is streamed
+        assert ttft_s < decode_s / 2 and root.attributes["splitserve.ttft_ms"] < 1e3 * decode_s / 2, (path, ttft_s)
+        assert (root.end_time - root.start_time) / 1e9 >= decode_s  # the decode itself still counts in the request
+        chunks = [s for s in finished if s.name == "gateway.first_chunk" and s.parent.span_id == root.context.span_id]
+        assert len(chunks) == streamed  # detokenize + SSE of the first chunk: a stream's phase only
+    timing = json.loads(body)["splitserve_timing"]
+    assert timing["time_to_first_token_ms"] < 1e3 * decode_s / 2
+    assert "gateway.first_chunk" not in [p["name"] for p in timing["phases"]]
+    assert 0 < seen["first_message_s"] < decode_s / 2  # what the gateway's TTFT histogram observes
