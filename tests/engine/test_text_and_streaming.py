@@ -148,6 +148,9 @@ def test_chat_template_renders(text_ckpt):
     tok = Tokenizer(text_ckpt)
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert text == "<|user|>hi</s><|assistant|>"
+    assert tok.compiled_chat_template() is tok.compiled_chat_template()  # compiled once, not per request
+    tok.chat_template = "[{{ messages[0]['content'] }}]"  # replaced: compiled again
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "[hi]"
 
 
 def test_request_text_appends_in_pieces_and_reads_whole():

@@ -147,3 +147,24 @@ def test_the_openai_client_sees_typed_errors(openai_client):
     assert info.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="maximum context length"):
         openai_client.chat.completions.create(model=MODEL, messages=USER, max_tokens=4096)
+
+
+def test_a_chat_template_that_does_not_compile_is_logged_at_start_and_answers_400(router, tmp_path, caplog):
+    """Compiled at the gateway's start (not in the first chat request's TTFT); a broken one is a
+    warning there, and each chat request a 400 naming the template — completions still serve."""
+    import shutil
+
+    from splitserve.engine.default_model import default_model_path
+    from splitserve.gateway.config import GatewayConfig
+    from tests.fixtures.gateway_server import running_gateway
+
+    model = tmp_path / "model"
+    shutil.copytree(default_model_path(), model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    (model / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{% if %}broken"}))
+    with caplog.at_level("WARNING", logger="splitserve.gateway.app"):
+        with running_gateway(GatewayConfig(router=router.address, model=model, served_model_name=MODEL)) as url:
+            status, body, _ = post(url, CHAT, {"model": MODEL, "messages": USER, "max_tokens": 2})
+            assert status == 400 and "chat template rejected the messages" in body["error"]["message"], body
+            assert post(url, DONE, {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
+    assert "chat template of splitserve-default does not compile (TemplateSyntaxError" in caplog.text
