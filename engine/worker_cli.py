@@ -57,6 +57,14 @@ def add_worker_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=64, help="requests running at once")
     p.add_argument("--handoff-lease-s", type=float, default=30.0, help="seconds a pinned handoff waits for its ack")
     p.add_argument("--grace-s", type=float, default=10.0, help="seconds to finish in-flight work on SIGTERM")
+    p.add_argument(
+        "--warm-up",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="before serving, run a few dummy requests through the engine at each decode batch-size bucket "
+        "(engine/warmup.py): Triton compiles, CUDA graph captures and first-use costs happen then, not in the "
+        "first clients' requests; nothing of them stays (no cached prefix, no KV event). Default on",
+    )
     add_metrics_arguments(p)
     sim = p.add_argument_group("simulated engine (control-plane / router tests with many workers on a CPU)")
     sim.add_argument(
@@ -103,6 +111,7 @@ def spec_from_args(args: argparse.Namespace, role: str) -> WorkerSpec:
         address=args.listen.rsplit(":", 1)[0],
         engine_options=options,
         engine=args.engine,
+        warm_up=args.warm_up,
         sim=SimConfig(
             prefill_tokens_per_s=args.sim_prefill_tokens_per_s,
             decode_step_s=args.sim_decode_step_s,

@@ -27,10 +27,11 @@ import torch.multiprocessing as mp
 from splitserve.engine.engine import Engine
 from splitserve.engine.handoff import RankEndpoint
 from splitserve.engine.llm import build_engine_config
-from splitserve.engine.serving import EngineLoop
+from splitserve.engine.serving import Command, EngineLoop
 from splitserve.engine.sim_engine import SimConfig
 from splitserve.engine.state_handoff import expose_state
 from splitserve.engine.transfer.transport import TransportEndpoint
+from splitserve.engine.warmup import warm_up
 from splitserve.engine.worker_integrity import check_integrity
 from splitserve.telemetry.metrics import WorkerMetrics
 
@@ -62,6 +63,9 @@ class WorkerSpec:
     prefix cache, pseudo-tokens (engine/sim_engine.py); one rank only."""
     sim: SimConfig = field(default_factory=SimConfig)
     """Timing and vocabulary of engine="sim" (unused otherwise)."""
+    warm_up: bool = True
+    """Run dummy requests through the engines before the worker serves (engine/warmup.py): kernel
+    compiles, CUDA graph captures and first-use costs leave the first clients' latency."""
     pack_for_tp_auto: bool = False
     """engine_options["pack_for_tp"] was resolved from `--pack-for-tp auto` (worker_server.py): a
     TP size the model's kv heads do not fit is then warned about and not packed for, where an
@@ -223,6 +227,7 @@ def _build_rank(
             **(hooks.get("handlers") or {}),
             "block_set": block_set,
             "integrity": lambda e, c: check_integrity(e),
+            "warm_up": lambda e, c: warm_up(e),
         },
         housekeeping=hooks.get("housekeeping"),
     )
@@ -289,6 +294,11 @@ class WorkerGroup:
         """Called from the engine thread right after a crash (worker_server.py stops the worker)."""
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
+
+    def warm_up(self):
+        """Run `engine.warmup.warm_up` on every rank (an engine command; blocks until done) and
+        return rank 0's `WarmUpReport`. Before the worker serves: it needs an idle engine."""
+        return self.loop.submit(Command("warm_up")).result()
 
     def _run(self) -> None:
         try:

@@ -73,6 +73,18 @@ async def serve_worker(
         if publisher is not None:
             publisher.close()
         raise
+    if spec.warm_up and spec.engine != "sim":
+        try:
+            report = await asyncio.to_thread(group.warm_up)
+        except BaseException:
+            await asyncio.to_thread(group.close)
+            if registration is not None:
+                await registration.close()
+            if publisher is not None:
+                publisher.close()
+            raise
+        log.info("warmed up in %.2f s: %d dummy requests at batch sizes %s", report.seconds, report.num_requests,
+                 ", ".join(map(str, report.batches)))  # fmt: skip
     service_name = add_servicer(server, group)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -1,0 +1,60 @@
+"""Warm-up (engine/warmup.py): dummy requests run at each batch size, decode steps of exactly that
+many rows, and nothing of them stays — no block in use, no cached prefix, no pin, no KV event —
+so the engine then answers exactly as a fresh one."""
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.warmup import warm_up
+
+OPTIONS = dict(block_size_tokens=4, num_blocks=96, max_tokens=32, max_requests=8)
+PARAMS = SamplingParams(num_tokens_to_generate=8, temperature=0.0, ignore_eos=True, return_log_probs=True)
+
+
+def _rows_per_step(engine):
+    """Wraps engine.step: the number of requests running at each step."""
+    rows, step = [], engine.step
+
+    def counting_step():
+        rows.append(len(engine.scheduler.running))
+        return step()
+
+    engine.step = counting_step
+    return rows
+
+
+@pytest.mark.parametrize("role", ["aggregated", "prefill", "decode"])
+def test_warm_up_leaves_nothing_behind(llama_ckpt, role):
+    engine = LLM(str(llama_ckpt), role=role, **OPTIONS).engine
+    engine.pool.record_events = True  # as a worker with a KV-event publisher has it
+    rows = _rows_per_step(engine)
+    report = warm_up(engine, batches=(1, 2, 4))
+    assert report.batches == (1, 2, 4) and report.num_requests == 7
+    if role != "prefill":  # a prefill engine stops each request at its first token: no decode rows
+        assert {1, 2, 4} <= set(rows), rows  # decode steps of exactly each batch size ran
+    stats = engine.pool.stats()
+    assert stats.num_in_use == 0 and stats.num_pinned == 0 and engine.pool.cached_hashes() == []
+    assert engine.pool.drain_events() == [] and engine.pool.record_events is True
+    assert not engine.handoffs and not engine.has_unfinished()
+    engine.check_integrity()
+
+
+def test_after_warm_up_the_engine_answers_as_a_fresh_one(llama_ckpt):
+    prompts = [torch.randint(3, 512, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 18, 9)]
+    fresh = LLM(str(llama_ckpt), **OPTIONS).generate(prompts, PARAMS)
+    warmed = LLM(str(llama_ckpt), **OPTIONS)
+    warm_up(warmed.engine)
+    again = warmed.generate(prompts, PARAMS)
+    for a, b in zip(fresh, again, strict=True):
+        assert a.generated_tokens == b.generated_tokens
+        assert a.generated_log_probs == pytest.approx(b.generated_log_probs, abs=1e-6)
+        assert b.num_cached_tokens == 0  # no prefix left by the dummies
+
+
+def test_batches_past_the_engine_s_limits_are_skipped_and_a_busy_engine_refused(llama_ckpt):
+    engine = LLM(str(llama_ckpt), **{**OPTIONS, "max_requests": 2}).engine
+    assert warm_up(engine, batches=(1, 2, 4, 8)).batches == (1, 2)  # 4 and 8 never run at max_requests 2
+    engine.add_request("real", [5, 6, 7], PARAMS)
+    with pytest.raises(ValueError, match="idle engine"):
+        warm_up(engine)
