@@ -47,7 +47,7 @@ class UpCluster:
                 self.stop()
                 raise RuntimeError("splitserve up did not become ready:\n" + "".join(self.output))
         text = "".join(self.output)
-        sdk = re.search(r"Client\('([^']+)', control_plane='([^']+)'\)", text)
+        sdk = re.search(r"Client\('([^']+)', control_plane='([^']+)'", text)
         self.router, self.control_plane = sdk.group(1), sdk.group(2)
         self.workers = re.findall(r"worker \(group \d+, dp \d+\)\s+(\S+)", text)
         return self

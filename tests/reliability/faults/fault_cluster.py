@@ -62,7 +62,7 @@ class FaultCluster:
         self.output = output
         text = "".join(output)
         self.url = next(line.split()[1] for line in output if line.startswith("READY "))
-        sdk = re.search(r"Client\('([^']+)', control_plane='([^']+)'\)", text)
+        sdk = re.search(r"Client\('([^']+)', control_plane='([^']+)'", text)
         self.router, self.control_plane = sdk.group(1), sdk.group(2)
         self.seen_pids: set[int] = set()
         """Every process `up` ran (grows as it restarts children): none may outlive `up`."""
