@@ -1,0 +1,97 @@
+"""A decode worker running `--max-requests` requests makes a burst of handoffs wait for slots
+(back-pressure) instead of failing them: a client streaming from a disaggregated request already
+has its first token (from prefill) when Decode is called, so a refusal there breaks a stream the
+client saw start. Real worker processes; tokens equal the aggregated engine's."""
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.wire import sampling_to_proto
+from splitserve.proto.v1 import (
+    decode_worker_pb2,
+    decode_worker_pb2_grpc,
+    prefill_worker_pb2,
+    prefill_worker_pb2_grpc,
+)
+from tests.fixtures.models import build_hf_checkpoint
+from tests.fixtures.workers import running_worker
+
+FLAGS = ["--block-size", "8", "--num-blocks", "256", "--max-tokens", "64"]
+PARAMS = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
+BURST = 6
+
+
+def test_a_burst_past_max_requests_waits_for_slots_and_every_request_completes(tmp_path):
+    build_hf_checkpoint(tmp_path, "llama", num_hidden_layers=2)
+    model = str(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 512, (9 + 3 * i,), generator=g).tolist() for i in range(BURST)]
+    expected = LLM(model, block_size_tokens=8, num_blocks=256).generate(prompts, PARAMS)
+    sp = sampling_to_proto(PARAMS)
+    with (
+        running_worker("prefill-worker", model, *FLAGS, "--transport", "nixl") as prefill,
+        running_worker("decode-worker", model, *FLAGS, "--transport", "nixl", "--max-requests", "2") as decode,
+        grpc.insecure_channel(prefill.address) as pc,
+        grpc.insecure_channel(decode.address) as dc,
+    ):
+        prefill_stub = prefill_worker_pb2_grpc.PrefillWorkerStub(pc)
+        decode_stub = decode_worker_pb2_grpc.DecodeWorkerStub(dc)
+        handoffs = [prefill_stub.Prefill(prefill_worker_pb2.PrefillRequest(request_id=f"b{i}", token_ids=p,
+                                                                           sampling_params=sp), timeout=60).handoff
+                    for i, p in enumerate(prompts)]  # fmt: skip
+        results: dict[int, object] = {}
+
+        def stream(i):
+            try:
+                request = decode_worker_pb2.DecodeRequest(request_id=f"b{i}", token_ids=prompts[i], sampling_params=sp,
+                                                          handoff=handoffs[i], prefill_address=prefill.address)
+                results[i] = [t for chunk in decode_stub.Decode(request, timeout=60) for t in chunk.token_ids]
+            except grpc.RpcError as e:
+                results[i] = e
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(BURST)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        errors = {i: r for i, r in results.items() if isinstance(r, grpc.RpcError)}
+        assert not errors, {i: (e.code(), e.details()) for i, e in errors.items()}  # was: RESOURCE_EXHAUSTED "decode engine is full"
+        assert [results[i] for i in range(BURST)] == [list(e.generated_tokens) for e in expected]
+
+
+def test_no_slot_within_the_lease_is_resource_exhausted_naming_the_wait():
+    """The wait is bounded by the handoff's lease (its pins), less a margin."""
+    from splitserve.decode_worker.service import LEASE_MARGIN_S, DecodeWorkerService
+
+    class Aborted(Exception):
+        pass
+
+    class Context:
+        async def abort(self, code, details):
+            raise Aborted(code, details)
+
+    counted = []
+    service = object.__new__(DecodeWorkerService)
+    service.engine = SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(max_requests=1)))
+    service.metrics = SimpleNamespace(rejections=SimpleNamespace(labels=lambda *a: SimpleNamespace(
+        inc=lambda: counted.append(a))))  # fmt: skip
+    desc = SimpleNamespace(lease_deadline_unix_ms=int((time.time() + LEASE_MARGIN_S + 0.3) * 1000))
+
+    async def main():
+        service._slots = asyncio.Semaphore(1)
+        await service._take_slot(desc, Context())  # free: taken at once
+        started = time.monotonic()
+        with pytest.raises(Aborted) as refused:
+            await service._take_slot(desc, Context())
+        return time.monotonic() - started, refused.value.args
+
+    waited, (code, details) = asyncio.run(main())
+    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no slot freed within 0.3 s" in details
+    assert 0.2 < waited < 2.0 and counted == [("decode", "full")]
