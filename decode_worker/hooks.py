@@ -43,6 +43,30 @@ from splitserve.engine.transfer.transport import KVTransport, TransferError, Tra
 log = logging.getLogger(__name__)
 
 
+ABORTED_REMEMBERED = 4096
+"""Request ids of recent Aborts a decode worker remembers (`RecentIds`)."""
+
+
+class RecentIds:
+    """The last `limit` ids added, oldest forgotten first. The router sends a request's Prefetch
+    from a background task and its Abort (client gone) as another call: the Abort can reach the
+    worker first, and a Prefetch applied after it would hold its reserved blocks until the lease
+    ran out. An aborted id's Prefetch is declined instead (a Decode, if one still came, pulls)."""
+
+    def __init__(self, limit: int) -> None:
+        self._ids: dict[str, None] = {}
+        self._limit = limit
+
+    def add(self, request_id: str) -> None:
+        self._ids.pop(request_id, None)
+        self._ids[request_id] = None
+        if len(self._ids) > self._limit:
+            del self._ids[next(iter(self._ids))]
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._ids
+
+
 @dataclass(frozen=True)
 class ImportOutcome:
     num_reused_blocks: int
@@ -164,13 +188,18 @@ def decode_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[i
     hooks = {"handlers": handlers, "on_outputs": state.deliver if state is not None else None, "state": state}
     if prefetches is not None:
 
+        aborted = RecentIds(ABORTED_REMEMBERED)
+
         def prefetch_handler(engine: Engine, command: Command) -> None:
             token_ids, preview = command.args
             if engine.has_request(command.request_id):  # a late preview: its Decode came first
                 raise ValueError(f"request {command.request_id!r} is already running here")
+            if command.request_id in aborted:  # its Abort overtook this Prefetch (two RPCs, no order)
+                raise ValueError(f"request {command.request_id!r} was aborted here")
             prefetches.start(command.request_id, token_ids, preview)
 
         def abort(engine: Engine, command: Command) -> bool:
+            aborted.add(command.request_id)
             dropped = prefetches.drop(command.request_id)
             return bool(engine.abort(command.request_id)) or dropped
 

@@ -242,6 +242,20 @@ def _prefetch_then_abort(prefill_address, decode_address, prompt):
         for stub in (prefill, decode):
             report = stub.CheckIntegrity(common_pb2.IntegrityRequest(), timeout=10)
             assert report.is_ok and report.num_in_use_blocks == 0 and report.num_requests == 0, report
+        # The router's Abort can overtake its Prefetch (a background call): the late Prefetch is
+        # declined, so no reservation waits out the lease (it held blocks ~25 s before).
+        request = prefill_worker_pb2.PrefillRequest(request_id="overtaken", token_ids=prompt,
+                                                    sampling_params=sampling_to_proto(WORKER_PARAMS))
+        stream = prefill.PrefillStream(request, timeout=60)
+        late = next(stream)
+        stream.cancel()
+        prefill.Abort(common_pb2.AbortRequest(request_id="overtaken"), timeout=10)
+        assert not decode.Abort(common_pb2.AbortRequest(request_id="overtaken"), timeout=10).was_found
+        reply = decode.Prefetch(decode_worker_pb2.PrefetchRequest(
+            request_id="overtaken", token_ids=prompt, handoff=late.handoff_started), timeout=10)
+        assert not reply.accepted and "was aborted here" in reply.reason, reply
+        report = decode.CheckIntegrity(common_pb2.IntegrityRequest(), timeout=10)
+        assert report.is_ok and report.num_in_use_blocks == 0, report
         bad = decode_worker_pb2.DecodeRequest(request_id="x", token_ids=prompt, handoff=started.handoff_started,
                                               sampling_params=sampling_to_proto(WORKER_PARAMS))
         with pytest.raises(grpc.RpcError) as err:  # a preview is for Prefetch, never for Decode

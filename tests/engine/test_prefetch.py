@@ -286,3 +286,12 @@ def test_a_prefetch_stuck_in_a_pull_keeps_its_blocks_until_it_returns(llama_ckpt
         time.sleep(0.05)
     assert decode.engine.reserved == {} and decode.engine.pool.num_available == free
     decode.engine.check_integrity()
+
+
+def test_recent_aborts_are_remembered_up_to_a_limit_oldest_forgotten_first():
+    from splitserve.decode_worker.hooks import RecentIds
+
+    ids = RecentIds(3)
+    for rid in ("a", "b", "c", "a", "d"):  # "a" again: now the newest
+        ids.add(rid)
+    assert "a" in ids and "c" in ids and "d" in ids and "b" not in ids
