@@ -55,9 +55,9 @@ PREFETCH_ANSWER_S = 1.0
 the router reads a Prefetch without an answer as a hung worker (router/decode_relay.py), and a
 long engine step (a big prefill on a CPU) must not look like one."""
 ADMISSION_WAIT_S = 30.0
-"""Longest a Decode waits for a free request slot when the engine runs `max_requests` (less when
-its handoff's lease ends sooner); after that it answers RESOURCE_EXHAUSTED and the router tries
-another decode worker."""
+"""Longest a Decode waits for room — a request slot when the engine runs `max_requests`, free KV
+blocks to import into — (less when its handoff's lease ends sooner); after that it answers
+RESOURCE_EXHAUSTED and the router tries another decode worker."""
 LEASE_MARGIN_S = 1.0
 """A waiting import gives up this long before its handoff's lease ends (the pull needs the pins)."""
 #: PushKV answers meaning "decided not to push": nothing was or will be sent.
@@ -205,22 +205,45 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             if not finished:  # cancelled or failed mid-stream: free the work everywhere
                 self.loop.submit(Command("abort", request_id))
 
+    @staticmethod
+    def _admission_wait_s(desc) -> float:
+        """How long a request may wait here for room: ADMISSION_WAIT_S, or less where its
+        handoff's lease (the pins its pull needs) ends sooner."""
+        wait_s = ADMISSION_WAIT_S
+        if desc is not None and desc.lease_deadline_unix_ms:
+            wait_s = min(wait_s, desc.lease_deadline_unix_ms / 1000 - time.time() - LEASE_MARGIN_S)
+        return max(0.0, wait_s)
+
+    async def _import_when_room(self, command: Command):
+        """Submit an import; while the pool lacks free blocks for it (the running requests hold
+        them: NoFreeBlocksError before anything is pulled), try again as they finish, within
+        `_admission_wait_s` — a burst of long contexts runs out of blocks before slots."""
+        desc = command.args[2]
+        deadline = time.monotonic() + self._admission_wait_s(desc)
+        delay = 0.01
+        while True:
+            try:
+                return await self._submit(command)
+            except NoFreeBlocksError as exc:
+                if time.monotonic() + delay > deadline:
+                    raise NoFreeBlocksError(f"{exc} (waited for blocks to free)") from None
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, 0.1)
+
     async def _take_slot(self, desc, context) -> None:
         """Wait for a request slot (`_slots`); RESOURCE_EXHAUSTED when none frees in time."""
         if not self._slots.locked():
             await self._slots.acquire()
             return
-        wait_s = ADMISSION_WAIT_S
-        if desc is not None and desc.lease_deadline_unix_ms:
-            wait_s = min(wait_s, desc.lease_deadline_unix_ms / 1000 - time.time() - LEASE_MARGIN_S)
+        wait_s = self._admission_wait_s(desc)
         try:
-            await asyncio.wait_for(self._slots.acquire(), max(0.0, wait_s))
+            await asyncio.wait_for(self._slots.acquire(), wait_s)
         except TimeoutError:
             self.metrics.rejections.labels("decode", "full").inc()
             limit = self.engine.config.scheduler.max_requests
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                 f"decode engine is full ({limit} requests running) and no slot freed within "
-                                f"{max(0.0, wait_s):.1f} s")  # fmt: skip
+                                f"{wait_s:.1f} s")  # fmt: skip
 
     async def _admit(self, request_id, token_ids, params, desc, prefill_address, context, clock, span):
         """Start the request; return the first chunk for a handoff (the prefill's token)."""
@@ -235,7 +258,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 error = TransferError(reason)
             for attempt in range(self.pull_attempts if error is None else 0):
                 try:
-                    self.last_import = await self._submit(
+                    self.last_import = await self._import_when_room(
                         Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))
                     )
                     clock.on_import(self.last_import, desc, self.metrics)

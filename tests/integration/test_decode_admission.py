@@ -1,5 +1,5 @@
-"""A decode worker running `--max-requests` requests makes a burst of handoffs wait for slots
-(back-pressure) instead of failing them: a client streaming from a disaggregated request already
+"""A decode worker at its `--max-requests` or out of free KV blocks makes a burst of handoffs wait
+for room (back-pressure) instead of failing them: a client streaming from a disaggregated request already
 has its first token (from prefill) when Decode is called, so a refusal there breaks a stream the
 client saw start. Real worker processes; tokens equal the aggregated engine's."""
 
@@ -28,7 +28,9 @@ PARAMS = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=T
 BURST = 6
 
 
-def test_a_burst_past_max_requests_waits_for_slots_and_every_request_completes(tmp_path):
+@pytest.mark.parametrize("limit", [["--max-requests", "2"], ["--num-blocks", "14"]], ids=["slots", "blocks"])
+def test_a_burst_past_the_decode_worker_s_capacity_waits_and_every_request_completes(tmp_path, limit):
+    """slots: `--max-requests 2`; blocks: a pool of 14 blocks of 8 tokens, each request needing 3–6."""
     build_hf_checkpoint(tmp_path, "llama", num_hidden_layers=2)
     model = str(tmp_path)
     g = torch.Generator().manual_seed(3)
@@ -37,7 +39,7 @@ def test_a_burst_past_max_requests_waits_for_slots_and_every_request_completes(t
     sp = sampling_to_proto(PARAMS)
     with (
         running_worker("prefill-worker", model, *FLAGS, "--transport", "nixl") as prefill,
-        running_worker("decode-worker", model, *FLAGS, "--transport", "nixl", "--max-requests", "2") as decode,
+        running_worker("decode-worker", model, *FLAGS, "--transport", "nixl", *limit) as decode,
         grpc.insecure_channel(prefill.address) as pc,
         grpc.insecure_channel(decode.address) as dc,
     ):
