@@ -125,6 +125,11 @@ class AsyncClient:
                     if has_output or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.options.max_attempts:
                         raise error from None
                     await asyncio.sleep(self.options.backoff_s(attempt))
+                    if self.options.reconnect_wait_s:
+                        try:  # READY at once unless the router is unreachable
+                            await asyncio.wait_for(self._channel.channel_ready(), self.options.reconnect_wait_s)
+                        except TimeoutError:
+                            raise error from None
                 finally:
                     call.cancel()  # a no-op when finished; frees the workers when the caller stopped early
 

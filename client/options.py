@@ -53,6 +53,10 @@ class ClientOptions:
     """Wait before the first retry; doubles each time, with ±20 % jitter."""
     max_backoff_s: float = 2.0
     """Cap of the wait between retries."""
+    reconnect_wait_s: float = 0.0
+    """After a failed try (UNAVAILABLE, before any output) whose router does not accept
+    connections — restarting, say — wait up to this long for it to do so again before the next
+    try; past that the call fails. 0: only the backoff (a router that is down fails calls at once)."""
     tls: TLSConfig | None = None
     """None: plaintext (loopback / trusted networks)."""
     metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)
@@ -70,6 +74,9 @@ class ClientOptions:
         if isinstance(self.max_message_bytes, bool) or not isinstance(self.max_message_bytes, int) \
                 or self.max_message_bytes < 1024:  # fmt: skip
             raise ValueError(f"max_message_bytes must be an integer >= 1024, got {self.max_message_bytes!r}")
+        if isinstance(self.reconnect_wait_s, bool) or not isinstance(self.reconnect_wait_s, (int, float)) \
+                or not 0 <= self.reconnect_wait_s < float("inf"):  # fmt: skip
+            raise ValueError(f"reconnect_wait_s must be a number >= 0, got {self.reconnect_wait_s!r}")
         if not 0 <= self.initial_backoff_s <= self.max_backoff_s:
             raise ValueError(
                 f"need 0 <= initial_backoff_s <= max_backoff_s, got {self.initial_backoff_s!r} and {self.max_backoff_s!r}"

@@ -126,6 +126,11 @@ class Client:
                     if has_output or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.options.max_attempts:
                         raise error from None
                     time.sleep(self.options.backoff_s(attempt))
+                    if self.options.reconnect_wait_s:
+                        try:  # READY at once unless the router is unreachable
+                            grpc.channel_ready_future(self._channel).result(timeout=self.options.reconnect_wait_s)
+                        except grpc.FutureTimeoutError:
+                            raise error from None
                 finally:
                     call.cancel()  # a no-op when finished; frees the workers when the caller stopped early
 

@@ -41,6 +41,9 @@ from splitserve.telemetry.http import TraceMiddleware, time_to_first_message_s
 
 log = logging.getLogger(__name__)
 
+ROUTER_RECONNECT_WAIT_S = 10.0
+"""A request that finds the router unreachable waits this long for it to come back (a restart by
+`up` or Kubernetes takes seconds) before its 503: new requests then queue through the restart."""
 STATUS_CLIENT_CLOSED = 499
 """Logged (never sent) when the client left before its answer."""
 
@@ -66,6 +69,7 @@ def create_app(config: GatewayConfig, model: ModelInfo | None = None) -> FastAPI
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         options = ClientOptions(timeout_s=config.request_timeout_s, max_attempts=2, tls=config.router_tls,
+                                reconnect_wait_s=ROUTER_RECONNECT_WAIT_S,
                                 max_message_bytes=config.max_grpc_message_bytes)  # fmt: skip
         client = AsyncClient(config.router, options=options)
         app.state.ctx = ServingContext(config, model, client, TokenTexts(model.tokenizer), metrics)

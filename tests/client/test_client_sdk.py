@@ -107,6 +107,8 @@ def test_options_are_validated():
         ClientOptions(max_attempts=0)
     with pytest.raises(ValueError, match="initial_backoff_s"):
         ClientOptions(initial_backoff_s=3, max_backoff_s=1)
+    with pytest.raises(ValueError, match="reconnect_wait_s"):
+        ClientOptions(reconnect_wait_s=-1)
     with pytest.raises(ValueError, match="both private_key and certificate_chain"):
         TLSConfig(private_key=b"k")
     assert all(0.08 <= ClientOptions().backoff_s(1) <= 0.12 for _ in range(20))
@@ -206,6 +208,33 @@ def test_retries_unavailable_before_output_only(client, router):
         client.generate("OVERLOAD")
     with pytest.raises(DeadlineExceededError):
         client.generate("SLOW", SamplingParams(num_tokens_to_generate=500), timeout_s=0.3)
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 8.0])
+def test_reconnect_wait_rides_out_a_router_restart(tokenizer, wait_s):
+    """With `reconnect_wait_s` a call that finds the router down waits for it to come back (here
+    it starts 1 s after the call); without, it fails at once with UnavailableError."""
+    import threading
+
+    from splitserve.readiness import free_port
+
+    port, late = free_port(), ScriptedRouter(tokenizer)
+    options = ClientOptions(initial_backoff_s=0.01, max_backoff_s=0.02, max_attempts=2, reconnect_wait_s=wait_s)
+    threading.Timer(1.0, lambda: late.start(port=port)).start()
+    timer_set = time.monotonic()
+    try:
+        with Client(f"127.0.0.1:{port}", tokenizer=tokenizer, options=options) as sdk:
+            started = time.monotonic()
+            if wait_s:
+                [result] = sdk.generate("a", SamplingParams(num_tokens_to_generate=64))
+                assert result.generated_text == DEFAULT_TEXT and 0.9 < time.monotonic() - started < wait_s
+            else:
+                with pytest.raises(UnavailableError):
+                    sdk.generate("a")
+                assert time.monotonic() - started < 0.9
+    finally:
+        time.sleep(max(0.0, 1.2 - (time.monotonic() - timer_set)))  # the timer has started it by now
+        late.stop()
 
 
 def test_async_client(router, tokenizer):

@@ -227,6 +227,32 @@ def test_health_is_503_without_a_router():
         assert time.monotonic() - started < 20
 
 
+def test_a_request_waits_through_a_router_restart(tokenizer):
+    """A router that does not accept connections (restarting) makes new requests wait for it, up
+    to ROUTER_RECONNECT_WAIT_S, rather than answer 503 at once."""
+    import threading
+
+    from splitserve.readiness import free_port
+    from tests.fixtures.scripted_router import ScriptedRouter
+
+    port = free_port()
+    router = ScriptedRouter(tokenizer)
+    with running_gateway(GatewayConfig(router=f"127.0.0.1:{port}")) as url:
+        answers = []
+        asking = threading.Thread(target=lambda: answers.append(post(url, "/v1/completions", {"prompt": "x"})))
+        started = time.monotonic()
+        asking.start()
+        time.sleep(1.5)  # the router is down meanwhile
+        router.start(port=port)
+        try:
+            asking.join(30)
+        finally:
+            router.stop()
+    status, body, _ = answers[0]
+    assert status == 200 and body["choices"][0]["text"], body
+    assert 1.5 < time.monotonic() - started < 10
+
+
 def test_first_request_costs_are_paid_at_start():
     """What the first request would otherwise pay in its TTFT happens as the gateway starts: the
     chat template compiled (1–20 ms of jinja) and anyio's asyncio backend imported (5–10 ms, on
