@@ -136,6 +136,8 @@ class Engine:
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if request_id in self.handoffs:  # one handoff per id: a second would orphan the first's pins
+            raise ValueError(f"request id {request_id!r} holds a pinned handoff; release it first")
         max_new = self.validate(prompt_token_ids, params)
         eos = (params.termination_id,) if params.termination_id is not None else self.eos_token_ids
         req = Request(request_id, list(prompt_token_ids), params, () if params.ignore_eos else eos, max_new)

@@ -125,6 +125,12 @@ class HandoffPacker:
         return {**endpoints, 0: dataclasses.replace(endpoints[0],
                                                     agent_metadata=self.transport.packed_metadata(request_id))}
 
+    def forget(self, request_id: str) -> None:
+        """Drop the request's packing now (an earlier attempt superseded by a retry of its id)."""
+        if request_id in self.transport.packed_requests():
+            self.transport.pack_release(request_id)
+        self._refused.discard(request_id)
+
     def release_done(self) -> None:
         for request_id in self.transport.packed_requests():
             if request_id not in self.engine.handoffs and not self.engine.has_request(request_id):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 from splitserve.engine.engine import Engine, StepOutput
@@ -32,6 +33,8 @@ from splitserve.engine.request import GenerationResult
 from splitserve.engine.serving import settle
 from splitserve.engine.state_handoff import build_state_handoff, has_recurrent_state
 from splitserve.engine.transfer.transport import TransferStats, TransportEndpoint
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -158,7 +161,23 @@ def prefill_hooks(engine: Engine, transport: TransportEndpoint, endpoints: dict[
             elif result.is_finished and state is not None:
                 state.resolve(out.request_id, PrefillOutcome(result, None))
 
-    handlers = {"block_set": lambda e, c: e.pool.cached_hashes()}
+    def add(engine: Engine, command) -> None:
+        request_id = command.request_id
+        if request_id in engine.handoffs:
+            # An earlier attempt of this request (same id) left a pinned handoff: its router
+            # died, and the retry reached this worker before the lease ran out. That attempt is
+            # over; its pins, progress slot and packing go now, or they would leak (the
+            # handoff table holds one entry per id) and the retry would read the old slot.
+            log.warning("request %s arrived again while an earlier attempt's handoff was pinned: released it",
+                        request_id)  # fmt: skip
+            engine.release_handoff(request_id)
+            if board() is not None:
+                board().close(request_id)
+            if packer is not None:
+                packer.forget(request_id)
+        engine.add_request(request_id, *command.args)
+
+    handlers = {"block_set": lambda e, c: e.pool.cached_hashes(), "add": add}
     if isinstance(transport, TorchDistTransport):
 
         def push(engine: Engine, command) -> TransferStats:

@@ -109,3 +109,14 @@ def test_failed_import_gives_every_block_back(llama_ckpt):
         small = LLM(str(llama_ckpt), role="decode", block_size_tokens=4, num_blocks=8, max_tokens=32).engine
         small.add_imported_request("y", list(range(3, 20)), PARAMS, 5, None, lambda b, f: None)
         small.add_imported_request("z", list(range(30, 47)), PARAMS, 5, None, lambda b, f: None)
+
+
+def test_a_request_id_holding_a_pinned_handoff_is_refused_until_released(llama_ckpt):
+    """One handoff per id: a second request under the id would orphan the first's pins."""
+    prefill = LLM(str(llama_ckpt), role="prefill", **OPTIONS).engine
+    _prefill(prefill, "dup", [5, 6, 7, 8, 9])
+    with pytest.raises(ValueError, match="holds a pinned handoff; release it first"):
+        prefill.add_request("dup", [5, 6, 7], PARAMS)
+    assert prefill.release_handoff("dup")
+    _prefill(prefill, "dup", [5, 6, 7])
+    prefill.check_integrity()
