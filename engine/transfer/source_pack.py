@@ -198,8 +198,11 @@ def start_job(arena: PackArena, src: KVLayout, groups: Sequence[tuple[int, int]]
     return PackJob(packed, spans, views, index, runs)
 
 
+@torch.inference_mode()
 def pack_layers(job: PackJob, kv_tensors: Sequence[torch.Tensor], start: int, end: int) -> None:
-    """Gather local layers [start, end) of the job's groups from the pool into their segments."""
+    """Gather local layers [start, end) of the job's groups from the pool into their segments.
+    Under inference mode: a job begun inside the forward pass (the layer listener) has
+    inference-mode views, which the layers packed after the step write into as well."""
     for g, view in zip(job.packed.groups, job.views, strict=True):
         heads = slice(g.head_start, g.head_start + g.num_heads)
         for layer in range(start, end):

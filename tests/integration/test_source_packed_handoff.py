@@ -86,6 +86,25 @@ def test_a_packed_handoff_gives_the_aggregated_tokens(model_dir, expected, layer
         assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
 
 
+def test_a_hybrid_model_s_packed_layerwise_handoff_gives_the_aggregated_tokens(tmp_path):
+    """NemotronH (Mamba2 + attention): the layer listener sees only the attention layers, so the
+    step's end packs the rest — outside the forward pass's inference mode, into a job begun inside
+    it. That crashed the prefill worker's engine loop on every such handoff."""
+    from tests.fixtures.models import build_hybrid_checkpoint
+
+    build_hybrid_checkpoint(tmp_path)
+    model = str(tmp_path)
+    expected = LLM(model, block_size_tokens=8, num_blocks=256).generate(_prompts(), PARAMS)
+    with (
+        running_worker("prefill-worker", model, "--tp", "1", "--pack-for-tp", "2", *ENGINE_FLAGS) as pw,
+        running_worker("decode-worker", model, "--tp", "2", *ENGINE_FLAGS) as dw,
+    ):
+        results = streamed_generate(pw.address, dw.address, _prompts(), PARAMS)
+    for (tokens, logprobs, *_), ref in zip(results, expected, strict=True):
+        assert tokens == ref.generated_tokens
+        assert logprobs == pytest.approx(ref.generated_log_probs, abs=1e-5)
+
+
 def test_the_decode_tp_named_per_request_decides_what_is_packed(model_dir):
     """The router names the chosen decode worker's TP (PrefillRequest.decode_tp): a tp=1 decode
     worker needs nothing packed, one the model's kv heads do not fit gets the pool as is (the

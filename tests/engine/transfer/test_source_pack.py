@@ -187,3 +187,22 @@ def test_packed_pull_between_gpu_pools():
         for rank in range(2):
             dst_x.pull(plan, rank, {0: src_x.packed_metadata("g")}, dst_kv[rank])
     assert_pools_equal({r: [t.cpu() for t in kv] for r, kv in dst_kv.items()}, expected, "packed pull, GPU")
+
+
+def test_layers_packed_after_the_forward_pass_into_a_job_begun_inside_it():
+    """A prefill worker begins a job from its layer listener (inside the forward pass's
+    inference mode) and packs the layers the listener did not reach after the step, outside it
+    (a hybrid model's, or all of them without layer-wise streaming): that must not raise
+    "Inplace update to inference tensor outside InferenceMode" (it crashed the engine loop)."""
+    transport = _nixl()
+    src_lay, dst_lay = layout(1, 1, 8), layout(2, 1, 8)
+    plan, src_t, src_kv, dst_kv, expected = _case(src_lay, dst_lay, 0, seed=11)
+    with transport(pack_arena_bytes=1 << 20) as src_x, transport() as dst_x:
+        src_x.expose(src_kv[0])
+        with torch.inference_mode():
+            assert src_x.pack_begin("r", src_lay, dst_lay, 0, src_t[0])
+            src_x.pack_layers("r", src_kv[0], 0, 1)
+        src_x.pack_layers("r", src_kv[0], 1, 3)
+        for rank in range(2):
+            dst_x.pull(plan, rank, {0: src_x.packed_metadata("r")}, dst_kv[rank])
+    assert_pools_equal(dst_kv, expected, "packed across inference mode")
