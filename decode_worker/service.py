@@ -37,6 +37,7 @@ from splitserve.engine.wire import (
 )
 from splitserve.engine.worker_integrity import integrity_to_proto
 from splitserve.engine.worker_runtime import WorkerGroup
+from splitserve.engine.worker_server import unavailable_when_stopped
 from splitserve.proto.v1 import common_pb2, decode_worker_pb2, decode_worker_pb2_grpc, prefill_worker_pb2
 from splitserve.proto.v1 import prefill_worker_pb2_grpc as prefill_grpc
 from splitserve.telemetry.spans import (
@@ -330,13 +331,16 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
             raise kind(f"PushKV at {address}: {exc.code().name}: {exc.details()}") from exc
         return grant_from_proto(reply)
 
+    @unavailable_when_stopped
     async def GetBlockSet(self, request, context):  # noqa: N802
         return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
 
+    @unavailable_when_stopped
     async def CheckIntegrity(self, request, context):  # noqa: N802
         report = await self._submit(Command("integrity"))
         return integrity_to_proto(report, num_in_flight=self.group.num_in_flight, is_draining=self.group.draining)
 
+    @unavailable_when_stopped
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))
         entry = self.state.streams.get(request.request_id)

@@ -27,6 +27,11 @@ from splitserve.engine.engine import Engine, StepOutput
 log = logging.getLogger(__name__)
 
 
+class EngineStoppedError(RuntimeError):
+    """A command submitted to (or pending in) an engine loop that has stopped: the worker is
+    going away (stopped, or its engine crashed). Services answer it with UNAVAILABLE."""
+
+
 @dataclass(frozen=True)
 class Command:
     """An engine mutation, applied identically on every rank."""
@@ -81,7 +86,7 @@ class EngineLoop:
             raise RuntimeError("commands are submitted on global rank 0 only")
         future: concurrent.futures.Future = concurrent.futures.Future()
         if self._stopped.is_set():
-            settle(future, error=RuntimeError("engine loop has stopped"))
+            settle(future, error=EngineStoppedError("engine loop has stopped"))
             return future
         with self._cond:
             self._pending.append((command, future))
@@ -127,7 +132,7 @@ class EngineLoop:
                         self._safe(self.on_outputs, outputs)
         finally:
             self._stopped.set()
-            self._fail_pending(RuntimeError("engine loop stopped"))
+            self._fail_pending(EngineStoppedError("engine loop stopped"))
 
     def _apply_all(self, commands: list[Command], futures: list) -> bool:
         stop = False

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 import sys
@@ -18,11 +19,26 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from splitserve import grpc_security
+from splitserve.engine.serving import EngineStoppedError
 from splitserve.engine.worker_runtime import HooksFactory, WorkerGroup, WorkerSpec
 from splitserve.telemetry import init_process
 from splitserve.telemetry.metrics import start_metrics_server
 
 log = logging.getLogger(__name__)
+
+
+def unavailable_when_stopped(method):
+    """For a worker servicer's unary method: an `EngineStoppedError` becomes gRPC UNAVAILABLE
+    (the caller tries another worker) rather than UNKNOWN and a traceback in the log."""
+
+    @functools.wraps(method)
+    async def wrapper(self, request, context):
+        try:
+            return await method(self, request, context)
+        except EngineStoppedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}: this worker is going away")
+
+    return wrapper
 
 
 async def serve_worker(

@@ -39,6 +39,7 @@ from splitserve.engine.wire import (
 )
 from splitserve.engine.worker_integrity import integrity_to_proto
 from splitserve.engine.worker_runtime import WorkerGroup
+from splitserve.engine.worker_server import unavailable_when_stopped
 from splitserve.prefill_worker.hooks import FirstToken, PrefillOutcome
 from splitserve.proto.v1 import common_pb2, prefill_worker_pb2, prefill_worker_pb2_grpc
 from splitserve.telemetry.spans import (
@@ -248,14 +249,17 @@ class PrefillWorkerService(prefill_worker_pb2_grpc.PrefillWorkerServicer):
         was_pinned = await self._submit(Command("release", request.request_id))
         return prefill_worker_pb2.ReleaseResponse(was_pinned=bool(was_pinned))
 
+    @unavailable_when_stopped
     async def Abort(self, request, context):  # noqa: N802
         found = await self._submit(Command("abort", request.request_id))
         self.state.forget(request.request_id)
         return common_pb2.AbortResponse(was_found=bool(found))
 
+    @unavailable_when_stopped
     async def GetBlockSet(self, request, context):  # noqa: N802
         return await self._submit(Command("block_set"))  # a BlockSet built on the engine thread
 
+    @unavailable_when_stopped
     async def CheckIntegrity(self, request, context):  # noqa: N802
         report = await self._submit(Command("integrity"))
         return integrity_to_proto(report, num_in_flight=self.group.num_in_flight, is_draining=self.group.draining)

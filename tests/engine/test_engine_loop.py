@@ -5,12 +5,15 @@ instead of killing the engine thread. A decode worker's loop died of exactly tha
 (`InvalidStateError` from `set_exception` on a cancelled future) when a client's deadline passed
 while a failing import waited for its transfer."""
 
+import asyncio
 import threading
 
+import grpc
 import pytest
 
 from splitserve import LLM
-from splitserve.engine.serving import Command, EngineLoop
+from splitserve.engine.serving import Command, EngineLoop, EngineStoppedError
+from splitserve.engine.worker_server import unavailable_when_stopped
 
 
 @pytest.fixture()
@@ -83,5 +86,18 @@ def test_a_stopped_loop_answers_new_commands_with_an_error(engine):
     loop = EngineLoop(engine, idle_tick_s=0.01)
     thread = _run(loop)
     _stop(loop, thread)
-    with pytest.raises(RuntimeError, match="stopped"):
+    with pytest.raises(EngineStoppedError, match="stopped"):
         loop.submit(Command("abort", "r0")).result(timeout=5)
+
+    class Servicer:  # as the workers' unary methods (Abort, GetBlockSet, CheckIntegrity) are
+        @unavailable_when_stopped
+        async def Abort(self, request, context):  # noqa: N802
+            return await asyncio.wrap_future(loop.submit(Command("abort", request)))
+
+    class Context:
+        async def abort(self, code, details):
+            raise grpc.aio.AbortError(code, details)
+
+    with pytest.raises(grpc.aio.AbortError) as refused:  # UNAVAILABLE: the caller goes elsewhere
+        asyncio.run(Servicer().Abort("r0", Context()))
+    assert refused.value.args[0] == grpc.StatusCode.UNAVAILABLE and "going away" in refused.value.args[1]
