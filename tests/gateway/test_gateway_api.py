@@ -253,6 +253,21 @@ def test_a_request_waits_through_a_router_restart(tokenizer):
     assert 1.5 < time.monotonic() - started < 10
 
 
+def test_a_whole_answer_whose_router_stream_breaks_is_run_again(gateway, router):
+    """The router died mid-answer (UNAVAILABLE after output): a non-streamed request has sent the
+    client nothing, so the gateway runs it again and answers in full; a stream cannot be re-run."""
+    before = len(router.record.requests)
+    router.break_first = 1
+    status, body, _ = post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 64})
+    assert status == 200 and body["choices"][0]["text"] == DEFAULT_TEXT, body
+    assert len(router.record.requests) - before == 2
+    router.break_first = 1
+    status, raw, _ = request(gateway, "POST", "/v1/completions", json.dumps(
+        {"prompt": "x", "max_tokens": 64, "stream": True}).encode())  # fmt: skip
+    assert status == 200 and '"error"' in raw and "[DONE]" in raw
+    router.break_first = 0
+
+
 def test_first_request_costs_are_paid_at_start():
     """What the first request would otherwise pay in its TTFT happens as the gateway starts: the
     chat template compiled (1–20 ms of jinja) and anyio's asyncio backend imported (5–10 ms, on
