@@ -64,7 +64,7 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
             ran.append(batch)
             while engine.has_unfinished():
                 engine.step()
-            engine.flush()
+            engine.flush()  # (nothing is left in flight once no request is: step_pipeline.can_run_ahead)
     finally:
         for request_id in ids:  # a prefill engine pins each handoff (nobody will pull these); a
             engine.abort(request_id)  # failed step leaves requests running: gone either way

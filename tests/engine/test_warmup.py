@@ -52,6 +52,16 @@ def test_after_warm_up_the_engine_answers_as_a_fresh_one(llama_ckpt):
         assert b.num_cached_tokens == 0  # no prefix left by the dummies
 
 
+def test_with_async_scheduling_no_dummy_output_reaches_the_first_real_step(llama_ckpt):
+    """A step run ahead of the dummies' last tokens is collected by the warm-up itself: the first
+    real step must not hand a dummy's output to the worker's callbacks (a prefill worker looks up
+    each handoff output's pins)."""
+    engine = LLM(str(llama_ckpt), async_scheduling=True, **OPTIONS).engine
+    warm_up(engine, batches=(1, 2, 4))
+    assert engine.step() == []
+    engine.check_integrity()
+
+
 def test_batches_past_the_engine_s_limits_are_skipped_and_a_busy_engine_refused(llama_ckpt):
     engine = LLM(str(llama_ckpt), **{**OPTIONS, "max_requests": 2}).engine
     assert warm_up(engine, batches=(1, 2, 4, 8)).batches == (1, 2)  # 4 and 8 never run at max_requests 2
