@@ -258,9 +258,9 @@ def test_a_whole_answer_whose_router_stream_breaks_is_run_again(gateway, router)
     client nothing, so the gateway runs it again and answers in full; a stream cannot be re-run."""
     before = len(router.record.requests)
     router.break_first = 1
-    status, body, _ = post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 64})
+    status, body, headers = post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 64})
     assert status == 200 and body["choices"][0]["text"] == DEFAULT_TEXT, body
-    assert len(router.record.requests) - before == 2
+    assert len(router.record.requests) - before == 2 and headers["x-request-id"] == body["id"]
     router.break_first = 1
     status, raw, _ = request(gateway, "POST", "/v1/completions", json.dumps(
         {"prompt": "x", "max_tokens": 64, "stream": True}).encode())  # fmt: skip
