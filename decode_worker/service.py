@@ -19,6 +19,7 @@ import grpc
 from opentelemetry import context as otel_context
 
 from splitserve import grpc_security
+from splitserve.decode_worker.admission import DecodeAdmission
 from splitserve.decode_worker.hooks import ImportOutcome
 from splitserve.engine import fault_injection
 from splitserve.engine.block_pool import NoFreeBlocksError
@@ -55,12 +56,6 @@ PREFETCH_ANSWER_S = 1.0
 """How long Prefetch waits for the engine thread to take the prefetch up before it answers "queued":
 the router reads a Prefetch without an answer as a hung worker (router/decode_relay.py), and a
 long engine step (a big prefill on a CPU) must not look like one."""
-ADMISSION_WAIT_S = 30.0
-"""Longest a Decode waits for room — a request slot when the engine runs `max_requests`, free KV
-blocks to import into — (less when its handoff's lease ends sooner); after that it answers
-RESOURCE_EXHAUSTED and the router tries another decode worker."""
-LEASE_MARGIN_S = 1.0
-"""A waiting import gives up this long before its handoff's lease ends (the pull needs the pins)."""
 #: PushKV answers meaning "decided not to push": nothing was or will be sent.
 _REFUSALS = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
 
@@ -78,11 +73,8 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._push_channels: dict[str, grpc.Channel] = {}  # sync: used from the engine thread
         self.state.ask_push = self._ask_push
-        self._slots = asyncio.Semaphore(self.engine.config.scheduler.max_requests)
-        """One per request admitted here (imported or prefilled here) until its stream ends, so
-        no import finds the engine full: a burst beyond `max_requests` waits for slots
-        (back-pressure, the wait in `decode.queue`) rather than failing requests whose first
-        token a client may already have."""
+        self.admission = DecodeAdmission(self.engine.config.scheduler.max_requests, self.metrics)
+        """Room for each Decode (decode_worker/admission.py): a burst waits rather than fail."""
 
     async def _submit(self, command: Command):
         return await asyncio.wrap_future(self.loop.submit(command))
@@ -171,7 +163,7 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                                  "and the response's full handoff to Decode")
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        await self._take_slot(desc, context)
+        await self.admission.take_slot(desc, context)
         queue: asyncio.Queue = asyncio.Queue()
         self.state.streams[request_id] = (asyncio.get_running_loop(), queue)
         finished = False
@@ -201,50 +193,10 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 await fault_injection.hold("stream", request_id)
                 yield chunk
         finally:
-            self._slots.release()
+            self.admission.release()
             self.state.streams.pop(request_id, None)
             if not finished:  # cancelled or failed mid-stream: free the work everywhere
                 self.loop.submit(Command("abort", request_id))
-
-    @staticmethod
-    def _admission_wait_s(desc) -> float:
-        """How long a request may wait here for room: ADMISSION_WAIT_S, or less where its
-        handoff's lease (the pins its pull needs) ends sooner."""
-        wait_s = ADMISSION_WAIT_S
-        if desc is not None and desc.lease_deadline_unix_ms:
-            wait_s = min(wait_s, desc.lease_deadline_unix_ms / 1000 - time.time() - LEASE_MARGIN_S)
-        return max(0.0, wait_s)
-
-    async def _import_when_room(self, command: Command):
-        """Submit an import; while the pool lacks free blocks for it (the running requests hold
-        them: NoFreeBlocksError before anything is pulled), try again as they finish, within
-        `_admission_wait_s` — a burst of long contexts runs out of blocks before slots."""
-        desc = command.args[2]
-        deadline = time.monotonic() + self._admission_wait_s(desc)
-        delay = 0.01
-        while True:
-            try:
-                return await self._submit(command)
-            except NoFreeBlocksError as exc:
-                if time.monotonic() + delay > deadline:
-                    raise NoFreeBlocksError(f"{exc} (waited for blocks to free)") from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 0.1)
-
-    async def _take_slot(self, desc, context) -> None:
-        """Wait for a request slot (`_slots`); RESOURCE_EXHAUSTED when none frees in time."""
-        if not self._slots.locked():
-            await self._slots.acquire()
-            return
-        wait_s = self._admission_wait_s(desc)
-        try:
-            await asyncio.wait_for(self._slots.acquire(), wait_s)
-        except TimeoutError:
-            self.metrics.rejections.labels("decode", "full").inc()
-            limit = self.engine.config.scheduler.max_requests
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"decode engine is full ({limit} requests running) and no slot freed within "
-                                f"{wait_s:.1f} s")  # fmt: skip
 
     async def _admit(self, request_id, token_ids, params, desc, prefill_address, context, clock, span):
         """Start the request; return the first chunk for a handoff (the prefill's token)."""
@@ -259,9 +211,8 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 error = TransferError(reason)
             for attempt in range(self.pull_attempts if error is None else 0):
                 try:
-                    self.last_import = await self._import_when_room(
-                        Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))
-                    )
+                    command = Command("import", request_id, (token_ids, params, desc, self.pull_timeout_s, prefill_address))
+                    self.last_import = await self.admission.import_when_room(lambda c=command: self._submit(c), desc)
                     clock.on_import(self.last_import, desc, self.metrics)
                     error = None
                     break

@@ -70,7 +70,7 @@ def test_a_burst_past_the_decode_worker_s_capacity_waits_and_every_request_compl
 
 def test_no_slot_within_the_lease_is_resource_exhausted_naming_the_wait():
     """The wait is bounded by the handoff's lease (its pins), less a margin."""
-    from splitserve.decode_worker.service import LEASE_MARGIN_S, DecodeWorkerService
+    from splitserve.decode_worker.admission import LEASE_MARGIN_S, DecodeAdmission
 
     class Aborted(Exception):
         pass
@@ -80,18 +80,16 @@ def test_no_slot_within_the_lease_is_resource_exhausted_naming_the_wait():
             raise Aborted(code, details)
 
     counted = []
-    service = object.__new__(DecodeWorkerService)
-    service.engine = SimpleNamespace(config=SimpleNamespace(scheduler=SimpleNamespace(max_requests=1)))
-    service.metrics = SimpleNamespace(rejections=SimpleNamespace(labels=lambda *a: SimpleNamespace(
+    metrics = SimpleNamespace(rejections=SimpleNamespace(labels=lambda *a: SimpleNamespace(
         inc=lambda: counted.append(a))))  # fmt: skip
     desc = SimpleNamespace(lease_deadline_unix_ms=int((time.time() + LEASE_MARGIN_S + 0.3) * 1000))
 
     async def main():
-        service._slots = asyncio.Semaphore(1)
-        await service._take_slot(desc, Context())  # free: taken at once
+        admission = DecodeAdmission(1, metrics)
+        await admission.take_slot(desc, Context())  # free: taken at once
         started = time.monotonic()
         with pytest.raises(Aborted) as refused:
-            await service._take_slot(desc, Context())
+            await admission.take_slot(desc, Context())
         return time.monotonic() - started, refused.value.args
 
     waited, (code, details) = asyncio.run(main())
