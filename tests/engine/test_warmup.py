@@ -68,3 +68,26 @@ def test_batches_past_the_engine_s_limits_are_skipped_and_a_busy_engine_refused(
     engine.add_request("real", [5, 6, 7], PARAMS)
     with pytest.raises(ValueError, match="idle engine"):
         warm_up(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_on_a_gpu_every_decode_graph_bucket_is_captured_before_serving(tmp_path):
+    """The point of the warm-up: the first real step of each batch bucket replays a graph captured
+    before it (no capture in a client's step), and the dummies leave nothing in the pool."""
+    from tests.fixtures.models import build_hf_checkpoint
+
+    build_hf_checkpoint(tmp_path, "llama")
+    llm = LLM(str(tmp_path), device="cuda", enable_cuda_graphs=True, block_size_tokens=16, num_blocks=256,
+              max_tokens=256, max_requests=8)
+    engine = llm.engine
+    graphs = engine.runner.graphs
+    report = warm_up(engine)
+    assert report.batches == tuple(graphs.buckets)
+    assert {bucket for bucket, _ in graphs._static} == set(graphs.buckets)
+    captured = set(graphs._static)
+    stats = engine.pool.stats()
+    assert stats.num_in_use == 0 and stats.num_pinned == 0 and engine.pool.cached_hashes() == []
+    prompts = [list(range(3 + i, 40 + i)) for i in range(5)]
+    llm.generate(prompts, PARAMS)
+    assert set(graphs._static) == captured  # the real batch (5 -> bucket 8) captured nothing new
+    engine.check_integrity()
