@@ -136,6 +136,19 @@ class MixedGraphs:
         self._static.clear()
         self._pool = None
 
+    def capture_narrowest(self) -> int:
+        """Capture every (token, sequence) bucket a step can use at the narrowest context width,
+        before serving (engine/warmup.py); returns how many were not captured yet. A step of
+        n chunks uses the first sequence bucket above n, and n <= its tokens: so sequence
+        buckets up to twice the token bucket. Wider contexts stay captured on first use."""
+        width, new = self.block_buckets[0], 0
+        for tokens in self.token_buckets:
+            for seqs in self.seq_buckets:
+                if seqs <= 2 * tokens and (tokens, seqs, width) not in self._static:
+                    self._get(tokens, seqs, width)
+                    new += 1
+        return new
+
     def _get(self, tokens: int, seqs: int, width: int) -> _Mixed:
         key = (tokens, seqs, width)
         static = self._static.get(key)

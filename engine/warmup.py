@@ -11,6 +11,9 @@ worker registers, so no client waits for them:
     for each batch size b of the decode graph buckets (CPU: 1 and 2):
         b requests (greedy and seeded-sampled alternately; short distinct prompts)
         stepped to the end: prefill steps, then decode steps of exactly b rows
+    GPU: one prompt longer than a step's token budget (a full chunk, then a chunk over its
+        cached prefix: the eager prefill's kernels at their largest shapes)
+    GPU, aggregated: every mixed-step graph of the narrowest context (`MixedGraphs`)
     then every trace removed: handoff pins released, the prefix cache emptied, no KV event
 
 It runs as an engine command (`EngineLoop` handler "warm_up"): every rank of a TP x PP group
@@ -34,6 +37,10 @@ class WarmUpReport:
     """The batch sizes run (each capped by the engine's request and block limits)."""
     num_requests: int
     seconds: float
+    long_prompt: bool = False
+    """Whether a prompt longer than a step's token budget ran (GPU: the chunked, eager prefill)."""
+    mixed_graphs: int = 0
+    """Mixed-step graphs captured up front (GPU, aggregated: `MixedGraphs.capture_narrowest`)."""
 
 
 def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
@@ -43,8 +50,8 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
     if engine.has_unfinished() or engine.handoffs or engine.reserved:
         raise ValueError("warm-up needs an idle engine (run it before the engine serves)")
     started = time.perf_counter()
+    graphs = getattr(engine.runner, "graphs", None)
     if batches is None:
-        graphs = engine.runner.graphs
         batches = tuple(graphs.buckets) if graphs is not None else CPU_BATCHES
     scheduler = engine.config.scheduler
     prompt_len = min(engine.block_size + 1, engine.max_sequence_length // 2)
@@ -62,9 +69,15 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
                 continue  # past the engine's limits: no step of this size will run
             ids += [_add(engine, sum(ran) + i, prompt_len, new_tokens) for i in range(batch)]
             ran.append(batch)
-            while engine.has_unfinished():
-                engine.step()
-            engine.flush()  # (nothing is left in flight once no request is: step_pipeline.can_run_ahead)
+            _run(engine)
+        long_len = scheduler.max_tokens + engine.block_size + 1
+        long_prompt = (graphs is not None and scheduler.enable_chunked_prefill
+                       and long_len + 2 <= engine.max_sequence_length
+                       and 2 * -(-(long_len + 2) // engine.block_size) <= engine.pool.num_blocks)
+        if long_prompt:  # a chunk past the budget, then one over its cached prefix: eager steps' kernels
+            ids.append(_add(engine, sum(ran), long_len, 2))
+            _run(engine)
+        mixed = graphs.mixed.capture_narrowest() if graphs is not None and graphs.mixed is not None else 0
     finally:
         for request_id in ids:  # a prefill engine pins each handoff (nobody will pull these); a
             engine.abort(request_id)  # failed step leaves requests running: gone either way
@@ -73,7 +86,13 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
             engine.runner.states.reset_prefix_cache()
         engine.pool.drain_events()
         engine.pool.record_events = records
-    return WarmUpReport(tuple(ran), sum(ran), time.perf_counter() - started)
+    return WarmUpReport(tuple(ran), sum(ran), time.perf_counter() - started, long_prompt, mixed)
+
+
+def _run(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+    engine.flush()  # (nothing is left in flight once no request is: step_pipeline.can_run_ahead)
 
 
 def _add(engine, i: int, prompt_len: int, new_tokens: int) -> str:

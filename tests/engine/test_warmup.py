@@ -82,12 +82,14 @@ def test_on_a_gpu_every_decode_graph_bucket_is_captured_before_serving(tmp_path)
     engine = llm.engine
     graphs = engine.runner.graphs
     report = warm_up(engine)
-    assert report.batches == tuple(graphs.buckets)
+    assert report.batches == tuple(graphs.buckets) and report.long_prompt
     assert {bucket for bucket, _ in graphs._static} == set(graphs.buckets)
-    captured = set(graphs._static)
+    assert report.mixed_graphs > 0 and warm_up(engine).mixed_graphs == 0  # all of them, once
+    captured, mixed = set(graphs._static), set(graphs.mixed._static)
     stats = engine.pool.stats()
     assert stats.num_in_use == 0 and stats.num_pinned == 0 and engine.pool.cached_hashes() == []
     prompts = [list(range(3 + i, 40 + i)) for i in range(5)]
     llm.generate(prompts, PARAMS)
     assert set(graphs._static) == captured  # the real batch (5 -> bucket 8) captured nothing new
+    assert set(graphs.mixed._static) == mixed  # nor did its prefill step
     engine.check_integrity()
