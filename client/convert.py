@@ -39,7 +39,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         num_tokens_to_generate=params.num_tokens_to_generate, temperature=params.temperature, top_k=params.top_k,
         top_p=params.top_p, termination_ids=[] if params.termination_id is None else [params.termination_id],
         stop_words=list(params.stop_words), return_log_probs=params.return_log_probs,
-        top_n_logprobs=params.top_n_logprobs,
+        top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
     )  # fmt: skip
     if params.seed is not None:
         message.seed = params.seed
@@ -97,6 +97,14 @@ class ResultBuilder:
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
         self._top: list[dict[int, float]] = []
+        self.is_resumed = False
+        """Messages now come from a resumed request (client/resume.py): its usage counts the
+        received tokens as prompt; the result counts them as generated."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens received so far (all tries)."""
+        return self._token_ids
 
     def add(self, message: router_pb2.GenerateChunk) -> StreamChunk:
         """The chunk for one stream message; the last one (finish_reason set) carries the result."""
@@ -111,10 +119,14 @@ class ResultBuilder:
         return StreamChunk(self.request_id, tuple(message.token_ids), text, tuple(message.logprobs), top, result)
 
     def _result(self, message: router_pb2.GenerateChunk) -> GenerateResult:
-        usage = Usage(
-            message.usage.prompt_tokens or len(self._prompt_ids),
-            message.usage.completion_tokens or len(self._token_ids), message.usage.cached_tokens,
-        )  # fmt: skip
+        if self.is_resumed:
+            usage = Usage(len(self._prompt_ids), len(self._token_ids),
+                          min(message.usage.cached_tokens, len(self._prompt_ids)))
+        else:
+            usage = Usage(
+                message.usage.prompt_tokens or len(self._prompt_ids),
+                message.usage.completion_tokens or len(self._token_ids), message.usage.cached_tokens,
+            )  # fmt: skip
         routing = None
         if message.HasField("routing"):
             r = message.routing

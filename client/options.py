@@ -48,7 +48,8 @@ class ClientOptions:
     control_timeout_s: float = 10.0
     """Deadline of short calls (Abort, lifecycle, topology)."""
     max_attempts: int = 3
-    """Tries of a call that fails with UNAVAILABLE before any output (1 = no retry)."""
+    """Tries of a call that fails with UNAVAILABLE (1 = no retry); a try that broke after tokens
+    came is resumed (`resume_streams`) and counts as one."""
     initial_backoff_s: float = 0.1
     """Wait before the first retry; doubles each time, with ±20 % jitter."""
     max_backoff_s: float = 2.0
@@ -57,6 +58,9 @@ class ClientOptions:
     """After a failed try (UNAVAILABLE, before any output) whose router does not accept
     connections — restarting, say — wait up to this long for it to do so again before the next
     try; past that the call fails. 0: only the backoff (a router that is down fails calls at once)."""
+    resume_streams: bool = True
+    """A Generate stream that breaks with UNAVAILABLE after tokens came (its router restarting)
+    goes on from those tokens, as one stream (client/resume.py). False: such a call fails."""
     tls: TLSConfig | None = None
     """None: plaintext (loopback / trusted networks)."""
     metadata: tuple[tuple[str, str], ...] = field(default_factory=tuple)

@@ -30,6 +30,7 @@ from splitserve.client.errors import InternalError, error_from_rpc
 from splitserve.client.options import ClientOptions, sync_channel
 from splitserve.client.prepared import PreparedRequest, abort_request, leader_of, lifecycle_request, prepare
 from splitserve.client.prompts import load_tokenizer
+from splitserve.client.resume import next_try
 from splitserve.client.types import (
     ClusterTopology,
     GenerateResult,
@@ -105,25 +106,28 @@ class Client:
         raise InternalError(f"the Generate stream of {prepared.request_id!r} ended without a result")
 
     def _stream(self, prepared: PreparedRequest, timeout_s: float | None) -> Iterator[StreamChunk]:
-        request = generate_request_to_proto(prepared.request_id, prepared.token_ids, prepared.params, self._return_timing or wants_timing())
         timeout = timeout_s if timeout_s is not None else self.options.timeout_s
+        sending, builder = prepared, None
         with TracedCall("router.Generate", self.options.metadata, prepared.request_id) as traced:
             for attempt in range(1, self.options.max_attempts + 1):
-                builder = ResultBuilder(prepared.request_id, prepared.token_ids, self.tokenizer)
+                if sending is prepared:  # a first try, or one again from the start
+                    builder = ResultBuilder(prepared.request_id, prepared.token_ids, self.tokenizer)
+                builder.is_resumed = sending is not prepared
+                request = generate_request_to_proto(sending.request_id, sending.token_ids, sending.params,
+                                                    self._return_timing or wants_timing())
                 call = self._router.Generate(request, timeout=timeout, metadata=traced.metadata)
-                has_output = False
                 try:
                     for message in call:
                         traced.on_message(message)
                         chunk = builder.add(message)
-                        has_output = True
                         yield chunk
                         if chunk.result is not None:
                             return
                     raise InternalError(f"the Generate stream of {prepared.request_id!r} ended without a finish reason")
                 except grpc.RpcError as e:
                     error = error_from_rpc(e, f"Generate on {self._router_address}")
-                    if has_output or e.code() != grpc.StatusCode.UNAVAILABLE or attempt == self.options.max_attempts:
+                    sending = next_try(prepared, builder.token_ids, e.code(), attempt, self.options)
+                    if sending is None:
                         raise error from None
                     time.sleep(self.options.backoff_s(attempt))
                     if self.options.reconnect_wait_s:

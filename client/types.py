@@ -46,6 +46,10 @@ class SamplingParams:
     """Also return the N most likely alternatives per generated token (at most 20)."""
     add_BOS: bool = True  # noqa: N815 - the reference design's field name
     """Prepend the tokenizer's BOS token to text prompts."""
+    output_offset: int = 0
+    """The prompt's last `output_offset` tokens were generated earlier (a stream resumed from
+    them): sampling positions and stop-word matching go on from there. The SDK sets it when it
+    resumes a broken stream (client/resume.py)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -64,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [0, 2**63), got {self.seed!r}")
         if self.termination_id is not None and (not _is_int(self.termination_id) or self.termination_id < 0):
             raise ValueError(f"termination_id must be a non-negative token id, got {self.termination_id!r}")
+        if not _is_int(self.output_offset) or self.output_offset < 0:
+            raise ValueError(f"output_offset must be an integer >= 0, got {self.output_offset!r}")
         if not _is_int(self.top_n_logprobs) or not 0 <= self.top_n_logprobs <= 20:
             raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
         for word in self.stop_words:
@@ -88,7 +94,7 @@ class SamplingParams:
 
 
 _ENGINE_ONLY = {"num_tokens_total": None, "detokenize_stop_sequence": False, "return_prompt_tokens": False,
-                "ignore_eos": False, "output_offset": 0}
+                "ignore_eos": False}
 """Engine SamplingParams options with no field in the router's API, at their defaults (its
 `skip_prompt_log_probs` needs none: the SDK never returns prompt log-probs)."""
 

@@ -24,7 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
-from splitserve.client import AsyncClient, ClientOptions, SplitserveError, UnavailableError
+from splitserve.client import AsyncClient, ClientOptions, SplitserveError
 from splitserve.gateway.chat import ChatRun
 from splitserve.gateway.choice_output import TokenTexts
 from splitserve.gateway.completions import CompletionRun
@@ -171,7 +171,7 @@ async def _generate(request: Request, ctx: ServingContext, request_type, run_typ
             response = await _stream(request, run, started)
             is_streaming = True
             return response
-        result, run = await _whole_answer(request, run, run_type, body, ctx)
+        result = await cancel_on_disconnect(request, run.response())
         ttft_s = time_to_first_message_s()  # the first token, not the whole answer (its last token)
         metrics.ttft_seconds.labels(endpoint).observe(time.monotonic() - started if ttft_s is None else ttft_s)
         metrics.record_usage(result["usage"])
@@ -193,21 +193,6 @@ async def _generate(request: Request, ctx: ServingContext, request_type, run_typ
             metrics.running.dec()
             metrics.requests.labels(endpoint, str(status)).inc()
             metrics.request_seconds.labels(endpoint).observe(time.monotonic() - started)
-
-
-async def _whole_answer(request: Request, run, run_type, body, ctx: ServingContext) -> tuple[dict, object]:
-    """(`run.response()`, the run that gave it), tried once more from scratch when the router's
-    stream fails UNAVAILABLE after it began (the router died mid-answer): nothing of a whole answer has reached
-    the client yet, so a fresh run (new choices, new request ids) gives it a complete one. A
-    stream cannot be re-run that way: its client has the tokens already sent."""
-    try:
-        return await cancel_on_disconnect(request, run.response()), run
-    except UnavailableError as e:
-        if time_to_first_message_s() is None:  # it never answered: the SDK's own retries were the ones to try
-            raise
-        log.info("%s: the router's stream failed (%s); running the whole answer again", run.id, e)
-    run = run_type(body, ctx)
-    return await cancel_on_disconnect(request, run.response()), run
 
 
 async def _stream(request: Request, run, started: float) -> Response:

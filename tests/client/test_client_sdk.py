@@ -63,6 +63,7 @@ def client(router, tokenizer):
         (dict(top_n_logprobs=21), "top_n_logprobs"),
         (dict(stop_words=[""]), "stop_words"),
         (dict(termination_id=-1), "termination_id"),
+        (dict(output_offset=-1), "output_offset"),
     ],
 )
 def test_sampling_params_are_validated(kwargs, words):
@@ -208,6 +209,40 @@ def test_retries_unavailable_before_output_only(client, router):
         client.generate("OVERLOAD")
     with pytest.raises(DeadlineExceededError):
         client.generate("SLOW", SamplingParams(num_tokens_to_generate=500), timeout_s=0.3)
+
+
+def test_a_stream_the_router_drops_after_tokens_goes_on_from_them(client, router, tokenizer):
+    """UNAVAILABLE after tokens came (the router died mid-stream): the SDK asks for the rest
+    (client/resume.py) — prompt + the tokens received, `output_offset` = their count, a budget of
+    what is left, the same seed and stop words — and the caller sees one stream, one result."""
+    params = SamplingParams(num_tokens_to_generate=64, temperature=0.7, seed=11, stop_words=("zzz",),
+                            return_log_probs=True)
+    before = len(router.record.requests)
+    router.break_first = 1
+    chunks = list(client.stream("Hello", params, request_id="resume-me"))
+    result = chunks[-1].result
+    assert "".join(c.text for c in chunks) == DEFAULT_TEXT == result.generated_text
+    assert sum((c.token_ids for c in chunks), ()) == result.generated_tokens and {c.request_id for c in chunks} == {"resume-me"}
+    assert len(result.generated_log_probs) == len(result.generated_tokens)
+    assert result.usage.prompt_tokens == len(tokenizer.encode("Hello")) and result.usage.completion_tokens == len(result.generated_tokens)
+    first, resumed = router.record.requests[before:]
+    sent = list(chunks[0].token_ids)
+    assert resumed.request_id == "resume-me.resume1" and list(resumed.token_ids) == [*first.token_ids, *sent]
+    p = resumed.sampling_params
+    assert (p.output_offset, p.num_tokens_to_generate, p.seed, list(p.stop_words)) == (len(sent), 64 - len(sent), 11, ["zzz"])
+    router.break_first = 1
+    with Client(router.address, tokenizer=tokenizer, options=ClientOptions(resume_streams=False)) as strict:
+        with pytest.raises(UnavailableError, match="Stream removed"):
+            list(strict.stream("Hello", params))
+    router.break_first = 1
+
+    async def via_async():
+        async with AsyncClient(router.address, tokenizer=tokenizer, options=FAST_RETRY) as sdk:
+            return await sdk.generate("Hello", params)
+
+    [again] = asyncio.run(via_async())
+    assert again.generated_text == DEFAULT_TEXT and router.record.requests[-1].request_id.endswith(".resume1")
+    router.break_first = 0
 
 
 @pytest.mark.parametrize("wait_s", [0.0, 8.0])

@@ -253,18 +253,30 @@ def test_a_request_waits_through_a_router_restart(tokenizer):
     assert 1.5 < time.monotonic() - started < 10
 
 
-def test_a_whole_answer_whose_router_stream_breaks_is_run_again(gateway, router):
-    """The router died mid-answer (UNAVAILABLE after output): a non-streamed request has sent the
-    client nothing, so the gateway runs it again and answers in full; a stream cannot be re-run."""
-    before = len(router.record.requests)
-    router.break_first = 1
-    status, body, headers = post(gateway, "/v1/completions", {"prompt": "x", "max_tokens": 64})
-    assert status == 200 and body["choices"][0]["text"] == DEFAULT_TEXT, body
-    assert len(router.record.requests) - before == 2 and headers["x-request-id"] == body["id"]
-    router.break_first = 1
-    status, raw, _ = request(gateway, "POST", "/v1/completions", json.dumps(
-        {"prompt": "x", "max_tokens": 64, "stream": True}).encode())  # fmt: skip
-    assert status == 200 and '"error"' in raw and "[DONE]" in raw
+def test_an_answer_the_router_drops_midway_is_resumed_by_the_sdk(gateway, router):
+    """The router died mid-answer (UNAVAILABLE after output): the SDK resumes the stream from the
+    tokens sent (client/resume.py), so a whole answer and a stream both come complete, each from
+    two router requests, the second asking only for the rest."""
+    for stream in (False, True):
+        before = len(router.record.requests)
+        router.break_first = 1
+        status, raw, headers = request(gateway, "POST", "/v1/completions", json.dumps(
+            {"prompt": "x", "max_tokens": 64, "stream": stream}).encode())  # fmt: skip
+        assert status == 200, raw
+        if stream:
+            assert '"error"' not in raw and "[DONE]" in raw
+            events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+            text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        else:
+            body = raw
+            text, usage = body["choices"][0]["text"], body["usage"]
+            assert headers["x-request-id"] == body["id"] and usage["prompt_tokens"] == 2  # BOS + "x", not the resume's
+        assert text == DEFAULT_TEXT
+        first, resumed = router.record.requests[before:]
+        assert resumed.request_id == first.request_id + ".resume1"
+        sent = resumed.sampling_params.output_offset
+        assert sent >= 1 and list(resumed.token_ids) == [*first.token_ids, *resumed.token_ids[len(first.token_ids):]]
+        assert resumed.sampling_params.num_tokens_to_generate == 64 - sent
     router.break_first = 0
 
 
