@@ -12,10 +12,13 @@ one stream under its own request id, and one result whose usage counts the origi
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import grpc
 
 from splitserve.client.prepared import PreparedRequest
+
+log = logging.getLogger("splitserve.client")
 
 
 def next_try(
@@ -35,4 +38,7 @@ def next_try(
         return None
     resumed = dataclasses.replace(params, num_tokens_to_generate=remaining,
                                   output_offset=params.output_offset + len(received))
-    return PreparedRequest(f"{original.request_id}.resume{attempt}", [*original.token_ids, *received], resumed)
+    request_id = f"{original.request_id}.resume{attempt}"
+    log.info("%s: the router's stream broke after %d tokens (%s); resuming as %s", original.request_id, len(received),
+             code.name, request_id)
+    return PreparedRequest(request_id, [*original.token_ids, *received], resumed)
