@@ -184,7 +184,8 @@ def _carried_norm_configs(model, x: torch.Tensor, meta: AttentionMetadata):
     """(qkv, o, gate_up, down) configs when every projection of this step runs our kernel and the
     norms can ride in them (kernels/carried_norm.py): one TP rank (nothing to all-reduce
     between a projection and the residual add), no biases, the Triton KV layout; else None."""
-    if not _CARRY_NORMS or getattr(model, "arrival_counters", None) is None or meta.backend not in TRITON_KERNEL_BACKENDS:
+    if not _CARRY_NORMS or getattr(model, "arrival_counters", None) is None or meta.backend not in TRITON_KERNEL_BACKENDS \
+            or not len(model.layers):  # fmt: skip
         return None
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
