@@ -25,6 +25,8 @@ blocks to import into — (less when its handoff's lease ends sooner); after tha
 RESOURCE_EXHAUSTED and the router tries another decode worker."""
 LEASE_MARGIN_S = 1.0
 """A waiting import gives up this long before its handoff's lease ends (the pull needs the pins)."""
+ROOM_POLL_S = 0.1
+"""A waiting import also tries again this often (blocks freed without a request ending here)."""
 
 
 def admission_wait_s(desc) -> float:
@@ -44,6 +46,8 @@ class DecodeAdmission:
         self.max_requests = max_requests
         self._slots = asyncio.Semaphore(max_requests)
         self._metrics = metrics
+        self._room_waiters: set[asyncio.Future] = set()
+        """Imports waiting for blocks (`import_when_room`): woken when a request here ends."""
 
     async def take_slot(self, desc, context) -> None:
         """Wait for a slot; RESOURCE_EXHAUSTED (through `context`) when none frees in time."""
@@ -60,20 +64,32 @@ class DecodeAdmission:
                                 f"within {wait_s:.1f} s")  # fmt: skip
 
     def release(self) -> None:
+        """A request here ended (its blocks were freed by the engine before its stream ended): its
+        slot goes back and the imports waiting for blocks try again now."""
         self._slots.release()
+        for waiter in self._room_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+        self._room_waiters.clear()
 
-    @staticmethod
-    async def import_when_room(submit: Callable[[], Awaitable], desc):
+    async def import_when_room(self, submit: Callable[[], Awaitable], desc):
         """`submit()` an import; while the pool lacks free blocks for it (the running requests
-        hold them: NoFreeBlocksError before anything is pulled), try again as they finish, within
-        `admission_wait_s`."""
+        hold them: NoFreeBlocksError before anything is pulled), try again each time a request
+        here ends — and every ROOM_POLL_S, for blocks freed otherwise (an aborted prefetch, an
+        expired reservation) — within `admission_wait_s`."""
         deadline = time.monotonic() + admission_wait_s(desc)
-        delay = 0.01
         while True:
             try:
                 return await submit()
             except NoFreeBlocksError as exc:
-                if time.monotonic() + delay > deadline:
+                left = deadline - time.monotonic()
+                if left <= 0:
                     raise NoFreeBlocksError(f"{exc} (waited for blocks to free)") from None
-            await asyncio.sleep(delay)
-            delay = min(2 * delay, 0.1)
+            waiter = asyncio.get_running_loop().create_future()
+            self._room_waiters.add(waiter)
+            try:
+                await asyncio.wait_for(waiter, min(left, ROOM_POLL_S))
+            except TimeoutError:
+                pass
+            finally:
+                self._room_waiters.discard(waiter)

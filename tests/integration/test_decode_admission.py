@@ -95,3 +95,33 @@ def test_no_slot_within_the_lease_is_resource_exhausted_naming_the_wait():
     waited, (code, details) = asyncio.run(main())
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "no slot freed within 0.3 s" in details
     assert 0.2 < waited < 2.0 and counted == [("decode", "full")]
+
+
+def test_an_import_waiting_for_blocks_tries_again_as_soon_as_a_request_ends(monkeypatch):
+    """Woken by `release` (a request here ended, its blocks freed), not by its next poll."""
+    import asyncio
+    import time
+
+    from splitserve.decode_worker import admission as adm
+    from splitserve.engine.block_pool import NoFreeBlocksError
+
+    monkeypatch.setattr(adm, "ROOM_POLL_S", 5.0)
+    room = adm.DecodeAdmission(4, metrics=None)
+    freed = []
+
+    async def submit():
+        if not freed:
+            raise NoFreeBlocksError("no free block")
+        return "imported"
+
+    async def main():
+        waiting = asyncio.create_task(room.import_when_room(submit, None))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        freed.append(True)
+        released = time.monotonic()
+        room.release()
+        assert await waiting == "imported"
+        return time.monotonic() - released
+
+    assert asyncio.run(main()) < 0.5
