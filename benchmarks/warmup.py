@@ -44,7 +44,15 @@ def record_first_uses(events: list) -> None:
 
         setattr(owner, attr, wrapper)
 
-    timed(jit.JITFunction, "_do_compile", "compile", lambda self, args: self.fn.__name__)
+    def compiled(self, args) -> str:  # (key, signature, device, constexprs, options, attrs, ...): the specialization
+        try:
+            names = self.arg_names
+            attrs = {".".join(names[i] for i in k) if isinstance(k, tuple) else k: v for k, v in args[5].items()}
+        except Exception:  # noqa: BLE001 - another Triton's layout: the name alone
+            attrs = ""
+        return f"{self.fn.__name__} {attrs}"
+
+    timed(jit.JITFunction, "_do_compile", "compile", compiled)
     for owner, what in ((cuda_graphs.DecodeGraphs, "decode graph"), (mixed_graphs.MixedGraphs, "mixed graph"),
                         (sampler_graphs.SamplerGraphs, "sampler graph")):
         timed(owner, "_capture", what, lambda self, args: str(tuple(args)))

@@ -21,13 +21,11 @@ from typing import TYPE_CHECKING, Any
 __all__ = [
     "DecodePlan",
     "DecodeWorkspace",
-    "RowNorm",
     "apply_rotary_qk",
     "apply_rotary_qk_and_write_kv",
     "argmax_rows",
     "decode_linear",
     "decode_linear_glu",
-    "decode_linear_into_residual",
     "decode_linear_partials",
     "decode_qkv_rotary",
     "kv_block_checksums",
@@ -57,8 +55,6 @@ _LAZY = {
     "kv_block_checksums": "kv_checksum",
     "decode_linear": "linear",
     "decode_linear_glu": "linear",
-    "decode_linear_into_residual": "linear",
-    "RowNorm": "carried_norm",
     "decode_linear_partials": "linear",
     "decode_qkv_rotary": "qkv_rotary",
     "sample_rows": "sampling",
@@ -70,11 +66,10 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import silu_and_mul
     from .argmax import argmax_rows
-    from .carried_norm import RowNorm
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
-    from .linear import decode_linear, decode_linear_glu, decode_linear_into_residual, decode_linear_partials
+    from .linear import decode_linear, decode_linear_glu, decode_linear_partials
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention

@@ -26,14 +26,12 @@ import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous, cuda_major, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, pdl_mode, wait_for_producer
-from .carried_norm import RowNorm, add_to_residual, finish_split, norm_args, normalize, row_rstd
 
 __all__ = [
     "MAX_ROWS",
     "LinearConfig",
     "decode_linear",
     "decode_linear_glu",
-    "decode_linear_into_residual",
     "decode_linear_partials",
     "linear_reference",
     "projection_config",
@@ -63,12 +61,10 @@ def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL
 @triton.jit
 def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr, rstd, g_ptr, NORM: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr):
     """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
     (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
-    every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`).
-    NORM: x is the residual stream, each tile RMS-normalized as loaded (`carried_norm.normalize`
-    with the rows' `rstd` and the norm weight at `g_ptr`)."""
+    every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_loop = k_start
@@ -81,8 +77,6 @@ def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
         cols = k + offs_k
         w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
         x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
-        if NORM:
-            x = normalize(x, rstd, g_ptr, cols, cols < k_end)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -93,7 +87,11 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
 
 
-@triton.jit
+# Rows (M) only bound masks: not specialized on (Triton compiles a variant per integer argument
+# that is 1 or a multiple of 16), so a batch of a new row count compiles nothing while serving
+# (a warm engine's first batch of 51 rows compiled for 0.32 s on an H200: benchmarks/RESULTS.md,
+# session 25).
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -104,13 +102,6 @@ def _linear_kernel(
     stride_wn,
     stride_om,
     stride_os,
-    norm_stats_ptr,
-    norm_w_ptr,
-    eps,
-    res_ptr,
-    stride_rm,
-    stats_ptr,
-    count_ptr,
     K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -119,18 +110,12 @@ def _linear_kernel(
     DOT_PRECISION: tl.constexpr,
     GLU: tl.constexpr,
     EARLY: tl.constexpr,
-    NORM_PARTS: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    RESIDUAL: tl.constexpr,
-    RANGES: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
     the matching up rows (one tile: two tiles of half the rows, streamed as a pair, were ~0.5 µs
     a layer slower on an H200), and it stores silu(gate) * up, rounded as `silu_and_mul` rounds
-    the unfused product. NORM_PARTS > 0: x is the residual stream, RMS-normalized on the way in;
-    RESIDUAL: the result is added into the residual stream (split: by the tile's last range),
-    with its rows' sums of squares per tile (kernels/carried_norm.py)."""
+    the unfused product."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -149,28 +134,16 @@ def _linear_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_first = first_weight_tile(w_rows, cols_n < N, k_start, k_end, BLOCK_K, PDL, EARLY)
-    rstd = 0.0
-    if NORM_PARTS > 0:
-        rstd = row_rstd(norm_stats_ptr, M, offs_m, mask_m, eps, K, NORM_PARTS, NORM_BLOCK)
     acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_PRECISION, EARLY, rstd, norm_w_ptr, NORM_PARTS > 0)
+                             DOT_PRECISION, EARLY)
     dtype = out_ptr.dtype.element_ty
     if GLU:
         acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
         gate = acc_gate.to(dtype).to(tl.float32)
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
-    mask_n = offs_n < N
-    if RESIDUAL and RANGES == 1:  # the product goes straight into the residual stream
-        add_to_residual(acc.to(res_ptr.dtype.element_ty), res_ptr, stride_rm, stats_ptr, M, tl.program_id(0), offs_m,
-                        offs_n, mask_m, mask_n)
-    else:
-        out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & mask_n[None, :])
-        if RESIDUAL:
-            finish_split(out_ptrs - split.to(tl.int64) * stride_os, stride_os, mask_m[:, None] & mask_n[None, :],
-                         count_ptr, res_ptr, stride_rm, stats_ptr, M, tl.program_id(0), offs_m, offs_n, mask_m, mask_n,
-                         RANGES)
+    out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & (offs_n < N)[None, :])
 
 
 def early_weights(splits: int) -> bool:
@@ -252,51 +225,30 @@ def decode_linear(
     (default x.dtype), fp32 accumulation; fp32 inputs use IEEE (not tf32) products."""
     if config is not None and config.splits != 1:
         raise ValueError("decode_linear() takes an unsplit config; use decode_linear_partials()")
-    return _launch(x, weight, out_dtype, config)[0]
+    return _launch(x, weight, out_dtype, config)
 
 
-def decode_linear_glu(
-    x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None, norm: RowNorm | None = None
-) -> torch.Tensor:
+def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
     """SwiGLU of a fused gate/up projection in one launch: x [M, K], weight [2I, K] (gate rows
     first) -> silu(x @ gate^T) * (x @ up^T) [M, I] in x.dtype, rounded as `silu_and_mul` of
     `decode_linear`'s result (each product rounded, then silu, then the product). A program
     reads `config.block_n` weight rows, half gate and half up, so a config keeps the tile
-    bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go.
-    `norm`: x is the residual stream, RMS-normalized in the kernel (kernels/carried_norm.py)."""
+    bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"weight must be [2 * I, K], got {tuple(weight.shape)}")
     if config is not None and config.splits != 1:
         raise ValueError("decode_linear_glu() takes an unsplit config: silu of partial sums is not their silu")
-    return _launch(x, weight, None, config, glu=True, norm=norm)[0]
+    return _launch(x, weight, None, config, glu=True)
 
 
 def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> torch.Tensor:
     """x [M, K] @ weight[N, K]^T as fp32 partial sums [S, M, N] over S <= `config.splits` ranges
     of K (fewer where K holds fewer whole tiles): their sum, rounded once, is `decode_linear`'s
     result up to summation order."""
-    return _launch(x, weight, torch.float32, config)[0]
+    return _launch(x, weight, torch.float32, config)
 
 
-def decode_linear_into_residual(
-    x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: LinearConfig | None = None,
-    counters: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """residual [M, N] <- round(round(x @ weight^T) + residual), in place, in one launch, and
-    the new residual's per-tile sums of squares: stats [tiles, M] fp32 for the next projection
-    to RMS-normalize it by (`RowNorm`; kernels/carried_norm.py). A split config sums its
-    partials in its last range's program per tile, counted on `counters` (int32, zero, one per
-    output tile at least; left zero again; allocated here when not given — a CUDA graph must be
-    given one that outlives it)."""
-    if residual.dim() != 2 or residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit x {tuple(x.shape)} "
-                         f"{x.dtype} @ weight {tuple(weight.shape)}^T")
-    check_last_dim_contiguous("residual", residual)
-    return _launch(x, weight, torch.float32, config, residual=residual, counters=counters)[1]
-
-
-def _launch(x, weight, out_dtype, config, glu: bool = False, norm=None, residual=None, counters=None):
-    """(out, stats): out the product (partials for a split config); stats with a residual."""
+def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     rows, k = x.shape
@@ -313,33 +265,18 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, norm=None, residual
     block_k = min(block_k, max(16, next_power_of_2(k)))
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
-    if residual is not None and splits == 1:
-        out = residual  # nothing else is stored
-    else:
-        out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
     early = early_weights(ranges)
-    tiles = cdiv(n, block_n // 2 if glu else block_n)
-    stats = None if residual is None else torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
-    if residual is not None and splits > 1:
-        counters = torch.zeros(tiles, dtype=torch.int32, device=x.device) if counters is None else counters
-        if counters.dtype != torch.int32 or counters.numel() < tiles:
-            raise ValueError(f"counters must be int32 with at least {tiles} elements")
-    (norm_stats, norm_weight, eps), norm_flags = norm_args(norm, x)
-    if norm is not None and early:
-        raise ValueError("a normalized x takes an unsplit config")
     if rows == 0:
-        return out, stats
-    _linear_kernel[(tiles, ranges)](
+        return out
+    _linear_kernel[(cdiv(n, block_n // 2 if glu else block_n), ranges)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
-        norm_stats, norm_weight, eps, residual if residual is not None else x,
-        residual.stride(0) if residual is not None else 0, stats if stats is not None else x,
-        counters if counters is not None else x,
         K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, RESIDUAL=residual is not None, RANGES=ranges,
-        num_warps=num_warps, num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
-        **norm_flags, **pdl_launch(x.device),
+        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, num_warps=num_warps,
+        num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
+        **pdl_launch(x.device),
     )
-    return out, stats
+    return out
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:

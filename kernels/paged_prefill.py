@@ -51,7 +51,11 @@ def _find_sequence(q_starts_ptr, tile, num_seqs, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@triton.jit
+# The sequence count and the block table's row stride (its width, which follows the longest
+# sequence of the step) change from step to step and only index: not specialized on, so a
+# step of a new shape compiles nothing while serving (a warm engine's first batch of 64
+# 40-token prompts compiled this kernel for 0.57 s on an H200: benchmarks/RESULTS.md, session 25).
+@triton.jit(do_not_specialize=["num_seqs", "stride_bt_s"])
 def _prefill_kernel(
     q_ptr,
     kv_ptr,

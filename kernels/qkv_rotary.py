@@ -23,27 +23,23 @@ import triton.language as tl
 
 from ._common import cdiv, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
-from .carried_norm import RowNorm, norm_args, row_rstd
 from .linear import MAX_ROWS, LinearConfig, split_halves, stream_weight_tile
 
 __all__ = ["decode_qkv_rotary"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M"])  # rows only bound masks (see kernels/linear.py)
 def _qkv_rotary_kernel(
-    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, norm_stats_ptr, norm_w_ptr, eps,
+    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_qm, stride_qh, stride_cs,
     stride_kv_kv, stride_kv_blk, stride_kv_h, stride_kv_tok,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORM_PARTS: tl.constexpr, NORM_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
-    rstd = 0.0
-    if NORM_PARTS > 0:  # x is the residual stream (kernels/carried_norm.py)
-        rstd = row_rstd(norm_stats_ptr, M, offs_m, mask_m, eps, K, NORM_PARTS, NORM_BLOCK)
     pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
     mask_p = pairs < (NUM_Q + 2 * NUM_KV) * HALF
     head = pairs // HALF  # q heads, then k heads, then v heads
@@ -66,7 +62,7 @@ def _qkv_rotary_kernel(
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
     acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
                              tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
-                             DOT_PRECISION, False, rstd, norm_w_ptr, NORM_PARTS > 0)  # waited at the top
+                             DOT_PRECISION, False)  # waited for the producer at the top
     acc_lo, acc_hi = split_halves(acc, BLOCK_M, BLOCK_P)
     dtype = q_ptr.dtype.element_ty
     a1 = acc_lo.to(dtype).to(tl.float32)
@@ -92,13 +88,11 @@ def _qkv_rotary_kernel(
 def decode_qkv_rotary(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, config: LinearConfig | None = None,
-    norm: RowNorm | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] of x [T, K] (T <= MAX_ROWS) through the fused qkv weight, rotated, with the
     rotated k and the v of every row written into kv at slot_mapping [T]: what
     `decode_linear` then `apply_rotary_qk_and_write_kv` compute, in one launch. `config`
-    (unsplit) as for the qkv projection: a program reads block_n // 2 pairs of weight rows.
-    `norm`: x is the residual stream, RMS-normalized in the kernel (kernels/carried_norm.py)."""
+    (unsplit) as for the qkv projection: a program reads block_n // 2 pairs of weight rows."""
     rows, k = x.shape if x.dim() == 2 else (-1, -1)
     check_kv(kv, kv.shape[-1] if kv.dim() == 5 else 0)
     head_dim, num_kv = kv.shape[4], kv.shape[2]
@@ -117,7 +111,6 @@ def decode_qkv_rotary(
         raise ValueError("decode_qkv_rotary() takes an unsplit config: rotary of partial sums is not theirs")
     for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
         check_last_dim_contiguous(name, t)
-    (norm_stats, norm_weight, eps), norm_flags = norm_args(norm, x)
     q = torch.empty(rows, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
     if rows == 0:
         return q
@@ -127,12 +120,12 @@ def decode_qkv_rotary(
     block_p = max(16, block_n // 2)
     half = head_dim // 2
     _qkv_rotary_kernel[(cdiv((num_q_heads + 2 * num_kv) * half, block_p),)](
-        x, weight, q, kv, slot_mapping, cos, sin, norm_stats, norm_weight, eps,
+        x, weight, q, kv, slot_mapping, cos, sin,
         rows, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         NUM_Q=num_q_heads, NUM_KV=num_kv, HALF=half, PAGE_SIZE=kv.shape[3], K=k,
         BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_P=block_p, BLOCK_K=min(block_k, max(16, next_power_of_2(k))),
         DOT_PRECISION=dot_precision(x.dtype), num_warps=num_warps, num_stages=num_stages,
-        **norm_flags, **pdl_launch(x.device),
+        **pdl_launch(x.device),
     )
     return q

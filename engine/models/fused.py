@@ -66,17 +66,7 @@ def fuse_projections(model) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         attn.qkv_weight, attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-    if getattr(model, "arrival_counters", None) is None:  # kept across calls: captured graphs point at it
-        model.arrival_counters = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=model.layers[0].mlp.gate_up_weight.device)
     model.fused = True
-
-
-ARRIVAL_COUNTERS = 4096
-"""Per output tile of a split `down` projection carrying the residual add (kernels/carried_norm.py):
-enough for a hidden size of 64k in 16-column tiles."""
-
-_CARRY_NORMS = os.environ.get("SPLITSERVE_CARRY_NORMS", "1") != "0"
-"""`SPLITSERVE_CARRY_NORMS=0` keeps the add+RMSNorm kernels between the projections (an A/B switch)."""
 
 
 _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
@@ -156,9 +146,6 @@ def fused_layers_forward(
     (residual stream included), like the unfused loop. `hidden` is consumed: it
     becomes the residual buffer and is updated in place. `after_layer(i)` is called once
     local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
-    configs = _carried_norm_configs(model, hidden, meta)
-    if configs is not None:
-        return _layers_with_carried_norms(model, hidden, cos, sin, kv_caches, meta, after_layer, configs)
     residual = None
     x = hidden
     for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
@@ -178,50 +165,6 @@ def fused_layers_forward(
     if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would
         x = x.sum(0).to(residual.dtype)
     return residual + x
-
-
-def _carried_norm_configs(model, x: torch.Tensor, meta: AttentionMetadata):
-    """(qkv, o, gate_up, down) configs when every projection of this step runs our kernel and the
-    norms can ride in them (kernels/carried_norm.py): one TP rank (nothing to all-reduce
-    between a projection and the residual add), no biases, the Triton KV layout; else None."""
-    if not _CARRY_NORMS or getattr(model, "arrival_counters", None) is None or meta.backend not in TRITON_KERNEL_BACKENDS \
-            or not len(model.layers):  # fmt: skip
-        return None
-    layer = model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    if attn.ps.tp_size != 1 or attn.qkv_bias is not None or attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
-        return None
-    configs = tuple(_own_config(kind, x) for kind in ("qkv", "o", "gate_up", "down"))
-    if any(c is None for c in configs) or any(c.splits != 1 for c in configs[:3]):
-        return None
-    return configs
-
-
-def _layers_with_carried_norms(model, hidden, cos, sin, kv_caches, meta, after_layer, configs) -> torch.Tensor:
-    """`fused_layers_forward` with no norm kernel after the first: `o` and `down` add into the
-    residual stream in their epilogues and sum its squares per tile; qkv and gate_up normalize
-    the residual they read by those sums (kernels/carried_norm.py). Per layer: qkv (+ rotary,
-    KV write), attention, o (+ add), gate_up (+ SwiGLU), down (+ add): five launches, not seven."""
-    qkv_config, o_config, gate_up_config, down_config = configs
-    residual, stats, counters = hidden, None, model.arrival_counters
-    t = hidden.shape[0]
-    for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
-        attn, mlp = layer.self_attn, layer.mlp
-        norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
-        if stats is None:  # the stage's first layer: nothing has summed the residual's squares yet
-            x, norm = kernels.rms_norm(residual, norm_in.weight, norm_in.eps), None
-        else:
-            x, norm = residual, kernels.RowNorm(stats, norm_in.weight, norm_in.eps)
-        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, qkv_config,
-                                      norm=norm)
-        o = triton_attention_written(q, kv, meta, attn.scale)
-        if after_layer is not None:
-            after_layer(i)
-        stats = kernels.decode_linear_into_residual(o.reshape(t, -1), attn.o_proj.weight, residual, o_config)
-        act = kernels.decode_linear_glu(residual, mlp.gate_up_weight, gate_up_config,
-                                        norm=kernels.RowNorm(stats, norm_post.weight, norm_post.eps))
-        stats = kernels.decode_linear_into_residual(act, mlp.down_proj.weight, residual, down_config, counters)
-    return residual
 
 
 def logits(norm, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

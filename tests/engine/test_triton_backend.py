@@ -29,35 +29,30 @@ from splitserve.engine.models import fused
 from splitserve.kernels.linear import LinearConfig
 # "fused_own": every projection through our kernel (as on Hopper), rotary and the KV write in the qkv
 # kernel (the qkv bias of qwen2 keeps it on the unfused path), SwiGLU in the gate_up kernel, the
-# MLP's down projection split over K, the residual adds in the o and down epilogues and the RMSNorms
-# carried into qkv and gate_up (kernels/carried_norm.py); "fused_own_norms": the same with the
-# add+RMSNorm kernels between them (down's partials summed by the next norm); forced here, where
-# none is measured faster
+# MLP's down projection split over K into partials that the next add+RMSNorm sums; forced here,
+# where none is measured faster
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
-for name in ("torch", "triton", "fused", "fused_own", "fused_own_norms"):
+for name in ("torch", "triton", "fused", "fused_own"):
     backend = "torch" if name == "torch" else "triton"
     # device="cpu": Triton's interpreter; on a CUDA host the engine would otherwise pick the GPU
     llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
     assert llm.engine.runner.backend == backend and not llm.engine.runner.model.fused
     if name.startswith("fused"):
         fuse_projections(llm.engine.runner.model)
-    if name.startswith("fused_own"):
+    if name == "fused_own":
         fused.projection_config = lambda kind, rows, device, dtype: OWN[kind]
-        fused._CARRY_NORMS = name == "fused_own"
         launched = []
-        for fn in ("decode_linear_partials", "decode_linear_into_residual", "decode_linear_glu", "decode_qkv_rotary"):
+        for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary"):
             own = getattr(fused.kernels, fn)
-            setattr(fused.kernels, fn, lambda *a, _own=own, _fn=fn, **kw: launched.append(_fn) or _own(*a, **kw))
+            setattr(fused.kernels, fn, lambda *a, _own=own, _fn=fn: launched.append(_fn) or _own(*a))
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
-    if name.startswith("fused_own"):
+    if name == "fused_own":
         want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary"}
-        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:  # the unfused qkv: norms stay
+        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:
             want.remove("decode_qkv_rotary")
-        elif name == "fused_own":
-            want = {"decode_linear_into_residual", "decode_linear_glu", "decode_qkv_rotary"}
         assert set(launched) == want, launched
 print(json.dumps(out))
 """
@@ -75,7 +70,7 @@ def test_triton_backend_matches_torch(tmp_path, family, shape):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for variant in ("triton", "fused", "fused_own", "fused_own_norms"):
+    for variant in ("triton", "fused", "fused_own"):
         for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out[variant], strict=True):
             assert k_tokens == t_tokens, variant
             assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4, variant

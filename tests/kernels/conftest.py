@@ -26,7 +26,6 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.norm",
     "splitserve.kernels.rotary",
     "splitserve.kernels.activation",
-    "splitserve.kernels.carried_norm",
     "splitserve.kernels.linear",
     "splitserve.kernels.qkv_rotary",
     "splitserve.kernels.argmax",
