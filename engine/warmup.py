@@ -14,6 +14,7 @@ worker registers, so no client waits for them:
     GPU: one prompt longer than a step's token budget (a full chunk, then a chunk over its
         cached prefix: the eager prefill's kernels at their largest shapes)
     GPU, aggregated: every mixed-step graph of the narrowest context (`MixedGraphs`)
+    GPU: the LM head at the row counts the rounds miss (`LOGIT_ROWS`)
     then every trace removed: handoff pins released, the prefix cache emptied, no KV event
 
 It runs as an engine command (`EngineLoop` handler "warm_up"): every rank of a TP x PP group
@@ -24,6 +25,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+
+import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 
@@ -78,6 +81,8 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
             ids.append(_add(engine, sum(ran), long_len, 2))
             _run(engine)
         mixed = graphs.mixed.capture_narrowest() if graphs is not None and graphs.mixed is not None else 0
+        if graphs is not None:
+            compile_logit_rows(engine)
     finally:
         for request_id in ids:  # a prefill engine pins each handoff (nobody will pull these); a
             engine.abort(request_id)  # failed step leaves requests running: gone either way
@@ -87,6 +92,28 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
         engine.pool.drain_events()
         engine.pool.record_events = records
     return WarmUpReport(tuple(ran), sum(ran), time.perf_counter() - started, long_prompt, mixed)
+
+
+LOGIT_ROWS = (3, 24, 48)
+"""Row counts for the eager logits (one row per chunk that ends in a step: any count) whose
+kernel variants the rounds above miss: the LM-head kernel (kernels/linear.py) is compiled per
+row tile (16 / 32 / 64 rows) and per whether the count is 1, a multiple of 16 or neither, and
+the rounds run 1, 2-8 and 16, 32, 64 rows. Without them a warm engine's first step ending 51
+prompts compiled for 0.32 s on an H200 (benchmarks/RESULTS.md, session 25). Row counts stay
+specialized: unspecialized, the batch-1 decode step ran ~5% slower there."""
+
+
+@torch.inference_mode()
+def compile_logit_rows(engine) -> int:
+    """Logits of zero hidden states at each of `LOGIT_ROWS` (the last pipeline stage; every TP
+    rank of it, in step, as warm-up runs); returns how many ran."""
+    runner = engine.runner
+    if not runner.ps.is_last_stage:
+        return 0
+    hidden = torch.zeros(max(LOGIT_ROWS), engine.model_config.hidden_size, dtype=runner.dtype, device=runner.device)
+    for rows in LOGIT_ROWS:
+        runner.model.compute_logits(hidden[:rows])
+    return len(LOGIT_ROWS)
 
 
 def _run(engine) -> None:

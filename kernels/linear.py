@@ -87,11 +87,7 @@ def split_halves(acc, BLOCK_M: tl.constexpr, HALF_N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, HALF_N)), (0, 2, 1)))
 
 
-# Rows (M) only bound masks: not specialized on (Triton compiles a variant per integer argument
-# that is 1 or a multiple of 16), so a batch of a new row count compiles nothing while serving
-# (a warm engine's first batch of 51 rows compiled for 0.32 s on an H200: benchmarks/RESULTS.md,
-# session 25).
-@triton.jit(do_not_specialize=["M"])
+@triton.jit
 def _linear_kernel(
     x_ptr,
     w_ptr,

@@ -28,7 +28,7 @@ from .linear import MAX_ROWS, LinearConfig, split_halves, stream_weight_tile
 __all__ = ["decode_qkv_rotary"]
 
 
-@triton.jit(do_not_specialize=["M"])  # rows only bound masks (see kernels/linear.py)
+@triton.jit
 def _qkv_rotary_kernel(
     x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr,
     M, stride_xm, stride_wn, stride_qm, stride_qh, stride_cs,

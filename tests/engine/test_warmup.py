@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from splitserve import LLM, SamplingParams
-from splitserve.engine.warmup import warm_up
+from splitserve.engine.warmup import LOGIT_ROWS, compile_logit_rows, warm_up
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=96, max_tokens=32, max_requests=8)
 PARAMS = SamplingParams(num_tokens_to_generate=8, temperature=0.0, ignore_eos=True, return_log_probs=True)
@@ -68,6 +68,16 @@ def test_batches_past_the_engine_s_limits_are_skipped_and_a_busy_engine_refused(
     engine.add_request("real", [5, 6, 7], PARAMS)
     with pytest.raises(ValueError, match="idle engine"):
         warm_up(engine)
+
+
+def test_the_lm_head_runs_at_the_row_counts_the_rounds_miss(llama_ckpt):
+    """(On a GPU: its kernel variants compiled before serving.) Each of LOGIT_ROWS, once."""
+    engine = LLM(str(llama_ckpt), **OPTIONS).engine
+    seen = []
+    head = engine.runner.model.compute_logits
+    engine.runner.model.compute_logits = lambda hidden: seen.append(hidden.shape[0]) or head(hidden)
+    assert compile_logit_rows(engine) == len(LOGIT_ROWS) and tuple(seen) == LOGIT_ROWS
+    assert {1, 2, 4, 16, 32, 64}.isdisjoint(LOGIT_ROWS)  # counts the rounds do not reach
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
