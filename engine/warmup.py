@@ -74,14 +74,15 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
             ran.append(batch)
             _run(engine)
         long_len = scheduler.max_tokens + engine.block_size + 1
-        long_prompt = (graphs is not None and scheduler.enable_chunked_prefill
+        on_gpu = engine.runner.device.type == "cuda"  # Triton compiles: with or without CUDA graphs
+        long_prompt = (on_gpu and scheduler.enable_chunked_prefill
                        and long_len + 2 <= engine.max_sequence_length
                        and 2 * -(-(long_len + 2) // engine.block_size) <= engine.pool.num_blocks)
         if long_prompt:  # a chunk past the budget, then one over its cached prefix: eager steps' kernels
             ids.append(_add(engine, sum(ran), long_len, 2))
             _run(engine)
         mixed = graphs.mixed.capture_narrowest() if graphs is not None and graphs.mixed is not None else 0
-        if graphs is not None:
+        if on_gpu:
             compile_logit_rows(engine)
     finally:
         for request_id in ids:  # a prefill engine pins each handoff (nobody will pull these); a
