@@ -14,7 +14,7 @@ worker registers, so no client waits for them:
     GPU: one prompt longer than a step's token budget (a full chunk, then a chunk over its
         cached prefix: the eager prefill's kernels at their largest shapes)
     GPU, aggregated: every mixed-step graph of the narrowest context (`MixedGraphs`)
-    GPU: the LM head at the row counts the rounds miss (`LOGIT_ROWS`)
+    GPU: the LM head at a row count of each of its kernel variants (`LOGIT_ROWS`)
     then every trace removed: handoff pins released, the prefix cache emptied, no KV event
 
 It runs as an engine command (`EngineLoop` handler "warm_up"): every rank of a TP x PP group
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kernels.linear import rows_per_variant
 
 CPU_BATCHES = (1, 2)
 """CPU engines run no graphs: two small rounds warm the prefill and the batched decode path."""
@@ -95,13 +96,14 @@ def warm_up(engine, batches: tuple[int, ...] | None = None) -> WarmUpReport:
     return WarmUpReport(tuple(ran), sum(ran), time.perf_counter() - started, long_prompt, mixed)
 
 
-LOGIT_ROWS = (3, 24, 48)
-"""Row counts for the eager logits (one row per chunk that ends in a step: any count) whose
-kernel variants the rounds above miss: the LM-head kernel (kernels/linear.py) is compiled per
-row tile (16 / 32 / 64 rows) and per whether the count is 1, a multiple of 16 or neither, and
-the rounds run 1, 2-8 and 16, 32, 64 rows. Without them a warm engine's first step ending 51
-prompts compiled for 0.32 s on an H200 (benchmarks/RESULTS.md, session 25). Row counts stay
-specialized: unspecialized, the batch-1 decode step ran ~5% slower there."""
+LOGIT_ROWS = rows_per_variant()
+"""Row counts for the eager logits (one row per chunk that ends in a step: any count up to the
+batch): one of each compiled variant of the LM-head kernel (kernels/linear.py: per row tile of
+16 / 32 / 64 and per whether the count is 1, a multiple of 16 or neither), so that no count
+compiles in a served step. Without them a warm engine's first step ending 51 prompts compiled
+for 0.32-0.45 s (H200 / H100, benchmarks/RESULTS.md, sessions 25-26; session 25's hand-picked
+3, 24, 48 missed the 33-63 row form). Row counts stay specialized: unspecialized, the batch-1
+decode step ran ~5% slower on the H200."""
 
 
 @torch.inference_mode()

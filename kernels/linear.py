@@ -214,6 +214,26 @@ def projection_config(
     return _PROJECTION_CONFIGS[kind][rows > 16]
 
 
+def row_tile(rows: int) -> int:
+    """The kernel's row tile for `rows` rows (a compiled constant)."""
+    return max(16, next_power_of_2(rows))
+
+
+def row_variant(rows: int) -> tuple[int, str]:
+    """Which compiled variant of `_linear_kernel` a row count runs: its row tile, and how
+    Triton specializes the integer M (1, a multiple of 16, or neither)."""
+    return row_tile(rows), "one" if rows == 1 else "x16" if rows % 16 == 0 else "other"
+
+
+def rows_per_variant() -> tuple[int, ...]:
+    """The smallest row count of each variant up to MAX_ROWS: running each once compiles
+    every form a call of any row count can need (the warm-up does, engine/warmup.py)."""
+    first: dict[tuple[int, str], int] = {}
+    for rows in range(1, MAX_ROWS + 1):
+        first.setdefault(row_variant(rows), rows)
+    return tuple(sorted(first.values()))
+
+
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, config: LinearConfig | None = None
 ) -> torch.Tensor:
@@ -267,7 +287,7 @@ def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
         return out
     _linear_kernel[(cdiv(n, block_n // 2 if glu else block_n), ranges)](
         x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
-        K=k, K_PER_SPLIT=k_per_split, BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
+        K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
         DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, num_warps=num_warps,
         num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
         **pdl_launch(x.device),

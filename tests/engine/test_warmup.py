@@ -7,6 +7,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.warmup import LOGIT_ROWS, compile_logit_rows, warm_up
+from splitserve.kernels.linear import MAX_ROWS, row_variant
 
 OPTIONS = dict(block_size_tokens=4, num_blocks=96, max_tokens=32, max_requests=8)
 PARAMS = SamplingParams(num_tokens_to_generate=8, temperature=0.0, ignore_eos=True, return_log_probs=True)
@@ -71,13 +72,15 @@ def test_batches_past_the_engine_s_limits_are_skipped_and_a_busy_engine_refused(
 
 
 def test_the_lm_head_runs_at_the_row_counts_the_rounds_miss(llama_ckpt):
-    """(On a GPU: its kernel variants compiled before serving.) Each of LOGIT_ROWS, once."""
+    """(On a GPU: its kernel variants compiled before serving.) Each of LOGIT_ROWS, once, and
+    they reach every variant any row count the kernel takes compiles."""
     engine = LLM(str(llama_ckpt), **OPTIONS).engine
     seen = []
     head = engine.runner.model.compute_logits
     engine.runner.model.compute_logits = lambda hidden: seen.append(hidden.shape[0]) or head(hidden)
     assert compile_logit_rows(engine) == len(LOGIT_ROWS) and tuple(seen) == LOGIT_ROWS
-    assert {1, 2, 4, 16, 32, 64}.isdisjoint(LOGIT_ROWS)  # counts the rounds do not reach
+    every = {row_variant(rows) for rows in range(1, MAX_ROWS + 1)}
+    assert {row_variant(rows) for rows in LOGIT_ROWS} == every and len(LOGIT_ROWS) == len(every) == 7
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
