@@ -12,6 +12,7 @@ contexts that runs the pool out of KV blocks first, waits here (back-pressure; t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import time
 from collections.abc import Awaitable, Callable
 
@@ -71,6 +72,20 @@ class DecodeAdmission:
             if not waiter.done():
                 waiter.set_result(None)
         self._room_waiters.clear()
+
+    def release_after(self, freeing: concurrent.futures.Future) -> None:
+        """A request here was cut short (cancelled, failed): `freeing` is the engine's abort of it.
+        Its slot goes back once that ran (or failed), so the imports woken by `release` find its
+        blocks free rather than poll again. Call on the service's event loop."""
+        loop = asyncio.get_running_loop()
+
+        def done(_future) -> None:  # on the engine's thread
+            try:
+                loop.call_soon_threadsafe(self.release)
+            except RuntimeError:  # the service's loop closed: nobody is waiting any more
+                pass
+
+        freeing.add_done_callback(done)
 
     async def import_when_room(self, submit: Callable[[], Awaitable], desc):
         """`submit()` an import; while the pool lacks free blocks for it (the running requests

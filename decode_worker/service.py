@@ -193,10 +193,11 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 await fault_injection.hold("stream", request_id)
                 yield chunk
         finally:
-            self.admission.release()
             self.state.streams.pop(request_id, None)
-            if not finished:  # cancelled or failed mid-stream: free the work everywhere
-                self.loop.submit(Command("abort", request_id))
+            if finished:  # the engine freed its blocks before its last output
+                self.admission.release()
+            else:  # cancelled or failed mid-stream: free the work everywhere, then the slot
+                self.admission.release_after(self.loop.submit(Command("abort", request_id)))
 
     async def _admit(self, request_id, token_ids, params, desc, prefill_address, context, clock, span):
         """Start the request; return the first chunk for a handoff (the prefill's token)."""

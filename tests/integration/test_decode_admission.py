@@ -125,3 +125,26 @@ def test_an_import_waiting_for_blocks_tries_again_as_soon_as_a_request_ends(monk
         return time.monotonic() - released
 
     assert asyncio.run(main()) < 0.5
+
+
+def test_a_stream_cut_short_gives_its_slot_back_once_the_abort_freed_its_blocks():
+    """The woken imports must find the blocks free: the slot waits for the engine's abort."""
+    import concurrent.futures
+
+    from splitserve.decode_worker import admission as adm
+
+    room = adm.DecodeAdmission(1, metrics=None)
+
+    async def main():
+        await room._slots.acquire()  # the one slot: held by the stream being cut short
+        woken = asyncio.get_running_loop().create_future()
+        room._room_waiters.add(woken)
+        abort = concurrent.futures.Future()
+        room.release_after(abort)
+        await asyncio.sleep(0.1)
+        before = (woken.done(), room._slots.locked())
+        threading.Thread(target=abort.set_result, args=(None,)).start()  # the engine thread's abort ran
+        await asyncio.wait_for(woken, 2.0)
+        return before, room._slots.locked()
+
+    assert asyncio.run(main()) == ((False, True), False)
