@@ -40,6 +40,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         top_p=params.top_p, termination_ids=[] if params.termination_id is None else [params.termination_id],
         stop_words=list(params.stop_words), return_log_probs=params.return_log_probs,
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
+        logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
     )  # fmt: skip
     if params.seed is not None:
         message.seed = params.seed

@@ -12,6 +12,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from splitserve.engine.logit_adjustments import bias_pairs, check_penalty
+
 
 class FinishReason(enum.Enum):
     STOP = "stop"
@@ -50,6 +52,13 @@ class SamplingParams:
     """The prompt's last `output_offset` tokens were generated earlier (a stream resumed from
     them): sampling positions and stop-word matching go on from there. The SDK sets it when it
     resumes a broken stream (client/resume.py)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before sampling, greedy included ([-100, 100]);
+    a {token id: bias} dict is accepted and stored sorted."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds ([-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of a token in the output so far ([-2, 2])."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -75,6 +84,9 @@ class SamplingParams:
         for word in self.stop_words:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must be non-empty strings, got {word!r}")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        check_penalty("presence_penalty", self.presence_penalty)
+        check_penalty("frequency_penalty", self.frequency_penalty)
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:

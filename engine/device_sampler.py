@@ -21,8 +21,10 @@ import torch
 
 
 def draws_without_logprobs(params) -> bool:
-    """A sampled row whose token alone is wanted: the batched sampler may draw it."""
-    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
+    """A sampled row whose token alone is wanted, from unadjusted logits: the batched sampler
+    may draw it."""
+    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs and \
+        not params.adjusts_logits
 
 
 def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:

@@ -131,6 +131,8 @@ class Engine:
             )
         if params.termination_id is not None and params.termination_id >= vocab:
             raise ValueError(f"termination_id {params.termination_id} is outside the vocabulary [0, {vocab})")
+        if params.logit_bias and params.logit_bias[-1][0] >= vocab:  # sorted: the last id is the largest
+            raise ValueError(f"logit_bias token id {params.logit_bias[-1][0]} is outside the vocabulary [0, {vocab})")
         return max_new
 
     def _new_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> Request:

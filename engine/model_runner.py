@@ -333,14 +333,14 @@ class ModelRunner:
             req = chunk.request
             sample = None
             params = req.params
-            if i in drawn or (
-                chunk.is_sample and params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
-            ):
+            if i in drawn or (chunk.is_sample and params.is_greedy and not params.return_log_probs
+                              and not params.top_n_logprobs and not params.adjusts_logits):
                 sample = SampleResult(greedy[last - 1])
             elif i in drawn_now:
                 sample = SampleResult(drawn_now[i])
             elif chunk.is_sample:
-                sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode)
+                sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
+                                    req.output_so_far() if params.adjusts_logits else ())
             plp: list[float] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
                 end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)

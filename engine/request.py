@@ -114,6 +114,13 @@ class Request:
     def wants_prompt_log_probs(self) -> bool:
         return self.params.return_log_probs and not self.params.skip_prompt_log_probs
 
+    def output_so_far(self) -> list[int]:
+        """Every token generated for this request: a resumed stream's earlier output (the
+        prompt's last `params.output_offset` tokens), then its own (penalties count both)."""
+        earlier = self.params.output_offset
+        return self.prompt_token_ids[len(self.prompt_token_ids) - earlier :] + self.output_token_ids if earlier else \
+            self.output_token_ids
+
     def token_slice(self, start: int, end: int) -> list[int]:
         """`all_token_ids[start:end]` without building the whole list (hot path:
         called per request per step, where the full list would cost O(context))."""

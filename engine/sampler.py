@@ -6,6 +6,7 @@ Logits arrive as float32 [N, vocab]; one row per sampled request.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,23 @@ class SampleResult:
     token_id: int
     logprob: float | None = None
     top_n: dict[int, float] | None = None
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int]) -> torch.Tensor:
+    """One row [vocab] float32 -> a new row with `params`' logit bias added and its presence /
+    frequency penalties subtracted for the tokens of `output_ids` (the output so far), as
+    OpenAI defines them: logit[j] -= frequency * count[j] + presence * (count[j] > 0).
+    Log-probs stay those of the model's own logits ("raw") unless the engine reports
+    processed ones."""
+    x = logits.clone()
+    if output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids = torch.tensor(list(output_ids), dtype=torch.long, device=x.device)
+        counts = torch.bincount(ids, minlength=x.shape[-1])[: x.shape[-1]].to(x.dtype)
+        x -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).to(x.dtype)
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        x[torch.tensor(ids, dtype=torch.long, device=x.device)] += torch.tensor(bias, dtype=x.dtype, device=x.device)
+    return x
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -41,13 +59,16 @@ def sample_row(
     params: SamplingParams,
     generator: torch.Generator | None,
     logprobs_mode: str,
+    output_ids: Sequence[int] = (),
 ) -> SampleResult:
-    """logits [vocab] float32 -> the next token (and its log-probs when asked)."""
+    """logits [vocab] float32 -> the next token (and its log-probs when asked); `output_ids`:
+    the request's output so far, for its penalties (`adjust_logits`)."""
+    scored = adjust_logits(logits, params, output_ids) if params.adjusts_logits else logits
     if params.is_greedy:
-        token = int(torch.argmax(logits))
-        processed = None
+        token = int(torch.argmax(scored))
+        processed = scored if scored is not logits else None
     else:
-        processed = process_logits(logits, params)
+        processed = process_logits(scored, params)
         probs = torch.softmax(processed, dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
     if not params.return_log_probs and not params.top_n_logprobs:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from splitserve.engine.logit_adjustments import bias_pairs, check_penalty
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -43,6 +45,13 @@ class SamplingParams:
     output_offset: int = 0
     """Tokens at the end of the prompt that were generated earlier (a stream resumed elsewhere):
     sampling positions go on after them, so a seeded request draws what it would have drawn."""
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(token id, bias) pairs added to the logits before sampling, greedy included (OpenAI's
+    `logit_bias`, values in [-100, 100]); a dict is accepted and stored sorted."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token the output already holds (OpenAI, [-2, 2])."""
+    frequency_penalty: float = 0.0
+    """Subtracted once per occurrence of a token in the output so far (OpenAI, [-2, 2])."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -77,6 +86,9 @@ class SamplingParams:
         for word in self.stop_words:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must be non-empty strings, got {word!r}")
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
+        check_penalty("presence_penalty", self.presence_penalty)
+        check_penalty("frequency_penalty", self.frequency_penalty)
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:
@@ -93,6 +105,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0.0 or self.top_k == 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """A logit bias or a penalty: the row is scored on the host from its own logits (never a
+        shared argmax or the batched device draw) — engine/sampler.py `adjust_logits`."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """New tokens allowed for a prompt of `prompt_len` tokens (may be <= 0)."""

@@ -70,7 +70,16 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         skip_prompt_log_probs=True,
         top_n_logprobs=msg.top_n_logprobs,
         output_offset=msg.output_offset,
+        logit_bias=dict(msg.logit_bias),
+        presence_penalty=_exact(msg.presence_penalty),
+        frequency_penalty=_exact(msg.frequency_penalty),
     )
+
+
+def _exact(value: float) -> float:
+    """A float32 proto field back as the decimal it was sent as (2.0 stays 2.0, 0.1 is 0.1, not
+    0.10000000149…), so range checks and sampling see the client's number."""
+    return float(f"{value:.7g}")
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -84,6 +93,9 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         return_log_probs=p.return_log_probs,
         top_n_logprobs=p.top_n_logprobs,
         output_offset=p.output_offset,
+        logit_bias=dict(p.logit_bias),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
     )
     if p.seed is not None:
         msg.seed = p.seed

@@ -20,6 +20,7 @@ class Prompt:
 
 def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[Prompt]:
     """One Prompt per entry of `prompt` (a batch), each checked against the vocabulary and context."""
+    _check_logit_bias(request, model)
     raw = request.prompt
     items = [raw] if isinstance(raw, str) or (raw and isinstance(raw[0], int)) else raw
     prompts = []
@@ -37,6 +38,7 @@ def completion_prompts(request: CompletionRequest, model: ModelInfo) -> list[Pro
 
 def chat_prompt(request: ChatCompletionRequest, model: ModelInfo) -> tuple[Prompt, str]:
     """The rendered conversation's tokens, and the rendered text (the reasoning parser reads its end)."""
+    _check_logit_bias(request, model)
     messages = [_message_dict(m) for m in request.messages]
     extra = dict(request.chat_template_kwargs or {})
     if request.tools:
@@ -86,6 +88,12 @@ def _check_token_ids(ids: list[int], model: ModelInfo) -> None:
     bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is out of the vocabulary [0, {model.vocab_size})", "prompt")
+
+
+def _check_logit_bias(request: CompletionRequest | ChatCompletionRequest, model: ModelInfo) -> None:
+    bad = next((t for t, _ in request.logit_bias_pairs if t >= model.vocab_size), None)
+    if bad is not None:
+        raise bad_request(f"logit_bias token id {bad} is out of the vocabulary [0, {model.vocab_size})", "logit_bias")
 
 
 def _context_error(message: str) -> APIError:

@@ -20,6 +20,8 @@ MAX_N = 16
 """Choices per request (and prompts x choices per completion request: MAX_N * MAX_PROMPTS)."""
 MAX_PROMPTS = 64
 MAX_STOP = 16
+MAX_LOGIT_BIAS = 300
+"""Tokens one request may bias (OpenAI's limit)."""
 MAX_TOKENS_LIMIT = 1 << 24
 """Absurd-value guard; the real bound is the model's context (prompts.py)."""
 
@@ -55,9 +57,12 @@ class SamplingFields(_Strict):
     stop: str | list[str] | None = Field(default=None, description=f"Up to {MAX_STOP} strings that end the output (not included).")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Not supported: must be 0.")
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0, description="Not supported: must be 0.")
-    logit_bias: dict[str, float] | None = Field(default=None, description="Not supported: must be empty.")
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                    description="Subtracted from the logits of tokens the output already holds.")
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+                                     description="Subtracted once per occurrence of a token in the output so far.")
+    logit_bias: dict[str, float] | None = Field(
+        default=None, description=f"Token id (a string) → bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.")
     user: str | None = None
 
     @field_validator("stop", mode="before")
@@ -67,14 +72,29 @@ class SamplingFields(_Strict):
 
     @model_validator(mode="after")
     def _unsupported(self):
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise bad_request(f"{name} is not supported by splitserve; leave it at 0", name, "unsupported_parameter")
-        if self.logit_bias:
-            raise bad_request("logit_bias is not supported by splitserve", "logit_bias", "unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
         return self
+
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _validate_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        if not value:
+            return value
+        if len(value) > MAX_LOGIT_BIAS:
+            raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", "logit_bias")
+        for key, bias in value.items():
+            if not key.isdigit():
+                raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
+                                  "logit_bias")  # fmt: skip
+            if not -100.0 <= bias <= 100.0:
+                raise bad_request(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}", "logit_bias")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as sorted (token id, bias) pairs."""
+        return tuple(sorted((int(key), bias) for key, bias in (self.logit_bias or {}).items()))
 
     @property
     def include_usage(self) -> bool:

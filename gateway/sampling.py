@@ -24,5 +24,7 @@ def choice_params(
         top_k=top_k, top_p=top_p,
         seed=None if request.seed is None else (request.seed + index) % (1 << 63),
         stop_words=stop_strings(request.stop), return_log_probs=return_log_probs, top_n_logprobs=top_n_logprobs,
+        logit_bias=request.logit_bias_pairs, presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
         add_BOS=False,  # the gateway tokenizes; the SDK sees token ids only
     )  # fmt: skip

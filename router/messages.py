@@ -39,6 +39,9 @@ class SamplingParams:
     top_n_logprobs: int = 0
     output_offset: int = 0
     """Generated tokens at the end of the prompt (set on a resumed stream's continuation)."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         value = self.num_tokens_to_generate

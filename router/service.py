@@ -68,7 +68,8 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         top_k=message.top_k, top_p=message.top_p, seed=message.seed if message.HasField("seed") else None,
         termination_ids=tuple(message.termination_ids), stop_words=tuple(message.stop_words),
         return_log_probs=message.return_log_probs, top_n_logprobs=message.top_n_logprobs,
-        output_offset=message.output_offset,
+        output_offset=message.output_offset, logit_bias=tuple(sorted(message.logit_bias.items())),
+        presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
     )  # fmt: skip
 
 
@@ -78,6 +79,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         top_k=params.top_k, top_p=params.top_p, seed=params.seed, termination_ids=params.termination_ids,
         stop_words=params.stop_words, return_log_probs=params.return_log_probs,
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
+        logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
     )  # fmt: skip
 
 

@@ -36,6 +36,7 @@ SHARED_ENGINE_MODULES = {
     "splitserve.engine.kv_events",
     "splitserve.engine.tokenizer",
     "splitserve.engine.default_model",
+    "splitserve.engine.logit_adjustments",
 }
 # The worker-process code both workers share lives in engine/ (they may not import each
 # other) and registers with the control plane, as workers do.

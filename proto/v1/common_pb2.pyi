@@ -28,7 +28,14 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset")
+    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset", "logit_bias", "presence_penalty", "frequency_penalty")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     NUM_TOKENS_TO_GENERATE_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -39,6 +46,9 @@ class SamplingParams(_message.Message):
     RETURN_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_N_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     num_tokens_to_generate: int
     temperature: float
     top_k: int
@@ -49,7 +59,10 @@ class SamplingParams(_message.Message):
     return_log_probs: bool
     top_n_logprobs: int
     output_offset: int
-    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ...) -> None: ...
+    logit_bias: _containers.ScalarMap[int, float]
+    presence_penalty: float
+    frequency_penalty: float
+    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

@@ -129,6 +129,22 @@ def test_completion_chat_and_greedy_equals_llm(oai, cluster, llm):
     assert chat.choices[0].finish_reason in ("stop", "length")
 
 
+def test_penalties_and_logit_bias_equal_llm(oai, cluster, llm):
+    """Through the gateway, the router, the prefill worker (the first token: the bias) and the decode
+    worker (the rest: penalties counting that first token too), as one engine computes them."""
+    from splitserve import SamplingParams as EngineParams
+
+    prompt, bias = "def fibonacci(n):", {"25": 1.5, "11": -2.0}
+    adjust = dict(presence_penalty=0.8, frequency_penalty=1.2)
+    want = llm.generate([prompt], EngineParams(num_tokens_to_generate=24, temperature=0.0,
+                                               logit_bias={int(k): v for k, v in bias.items()}, **adjust))[0]  # fmt: skip
+    plain = llm.generate([prompt], EngineParams(num_tokens_to_generate=24, temperature=0.0))[0]
+    assert want.generated_tokens != plain.generated_tokens  # the adjustments matter here
+    out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logit_bias=bias, **adjust)
+    assert out.choices[0].text == want.generated_text
+    assert out.usage.completion_tokens == len(want.generated_tokens)
+
+
 def test_streaming_with_usage_and_n(oai):
     stream = oai.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Explain json.dumps"}],
                                          max_tokens=12, temperature=0.8, seed=1, n=3, stream=True,

@@ -188,6 +188,11 @@ def test_openai_fields_become_sampling_params(gateway, router):
     p = _last_request(router).sampling_params
     assert (p.temperature, p.top_k, p.return_log_probs, p.top_n_logprobs) == (1.0, 5, True, 0)
     assert p.top_p == pytest.approx(0.9)
+    chat = {"messages": [{"role": "user", "content": "hi"}], "presence_penalty": -0.5, "frequency_penalty": 1.5,
+            "logit_bias": {"42": 100, "7": -3.5}}
+    assert post(gateway, "/v1/chat/completions", chat)[0] == 200
+    p = _last_request(router).sampling_params
+    assert (dict(p.logit_bias), p.presence_penalty, p.frequency_penalty) == ({7: -3.5, 42: 100.0}, -0.5, 1.5)
 
 
 @pytest.mark.parametrize(

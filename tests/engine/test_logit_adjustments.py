@@ -1,0 +1,114 @@
+"""Logit bias and presence / frequency penalties (OpenAI's definitions): the engine's tokens equal a
+greedy loop over the Hugging Face model that applies them by hand, in a batch beside a plain request
+(which keeps its shared argmax), and a resumed request (`output_offset`) counts its earlier output."""
+
+import pytest
+import torch
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.wire import sampling_from_proto, sampling_to_proto
+from tests.fixtures.models import build_hf_checkpoint
+
+PROMPT = [7, 99, 23, 311, 23, 5, 141, 77]
+NEW = 20
+ADJUSTED = dict(presence_penalty=0.7, frequency_penalty=1.3, logit_bias={23: 2.5, 300: -1.0})
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("adjust")
+    return path, build_hf_checkpoint(path, "llama")
+
+
+@pytest.fixture(scope="module")
+def model(checkpoint):
+    path, hf = checkpoint
+    return LLM(str(path), block_size_tokens=8, num_blocks=64), hf
+
+
+def reference(hf, prompt, new, presence=0.0, frequency=0.0, bias=(), earlier=()):
+    """Greedy over HF logits: logit[j] - frequency * count[j] - presence * (count[j] > 0) + bias[j],
+    counts over the output so far (`earlier` = generated before the prompt's end)."""
+    ids, out, generated = list(prompt), list(earlier), []
+    for _ in range(new):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        counts = torch.zeros_like(logits)
+        for t in out:
+            counts[t] += 1
+        logits = logits - frequency * counts - presence * (counts > 0).float()
+        for t, b in bias:
+            logits[t] += b
+        token = int(logits.argmax())
+        ids.append(token), out.append(token), generated.append(token)
+    return generated
+
+
+def params(**extra):
+    return SamplingParams(num_tokens_to_generate=NEW, temperature=0.0, ignore_eos=True, **extra)
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_step", "run_ahead"])
+def test_greedy_with_penalties_and_bias_equals_the_hand_loop_beside_a_plain_request(checkpoint, ahead):
+    """run_ahead: steps kept in flight (the CUDA default) feed each row the argmax on the device —
+    never an adjusted row's token."""
+    path, hf = checkpoint
+    llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead)
+    plain_ref = reference(hf, PROMPT, NEW)
+    adjusted = params(**ADJUSTED)
+    adjusted_ref = reference(hf, PROMPT, NEW, 0.7, 1.3, adjusted.logit_bias)
+    assert adjusted_ref != plain_ref  # the adjustments change this output
+    engine = llm.engine
+    engine.add_request("plain", PROMPT, params())
+    engine.add_request("adjusted", PROMPT, adjusted)
+    results = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                results[out.request_id] = list(out.result.generated_tokens)
+    assert results == {"plain": plain_ref, "adjusted": adjusted_ref}
+
+
+def test_a_resumed_request_counts_the_output_it_carries_in_its_prompt(model):
+    llm, hf = model
+    whole = reference(hf, PROMPT, NEW, 0.7, 1.3, params(**ADJUSTED).logit_bias)
+    first = llm.generate([PROMPT], SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True,
+                                                  **ADJUSTED))[0].generated_tokens  # fmt: skip
+    assert list(first) == whole[:6]
+    rest = llm.generate([PROMPT + list(first)], SamplingParams(num_tokens_to_generate=NEW - 6, temperature=0.0,
+                                                               ignore_eos=True, output_offset=6, **ADJUSTED))  # fmt: skip
+    assert list(rest[0].generated_tokens) == whole[6:]
+
+
+def test_a_sampled_request_obeys_its_bias():
+    """+100 leaves one token possible, -100 on the greedy choice forbids it."""
+    llm = LLM(block_size_tokens=8, num_blocks=64)  # the embedded default model
+    forced = llm.generate(["def f(x):"], SamplingParams(num_tokens_to_generate=8, temperature=1.0, seed=3,
+                                                        logit_bias={17: 100.0}, ignore_eos=True))  # fmt: skip
+    assert list(forced[0].generated_tokens) == [17] * 8
+    greedy = llm.generate(["def f(x):"], SamplingParams(num_tokens_to_generate=1, temperature=0.0))[0].generated_tokens[0]
+    banned = llm.generate(["def f(x):"], SamplingParams(num_tokens_to_generate=8, temperature=0.0, ignore_eos=True,
+                                                        logit_bias={greedy: -100.0}))  # fmt: skip
+    assert greedy not in banned[0].generated_tokens
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"logit_bias": {"5": 1.0}}, "logit_bias keys must be token ids"),
+    ({"logit_bias": {5: 101}}, r"logit_bias values must be numbers in \[-100, 100\]"),
+    ({"logit_bias": [(5,)]}, "pairs"),
+    ({"presence_penalty": 2.5}, r"presence_penalty must be a number in \[-2, 2\]"),
+    ({"frequency_penalty": "1"}, "frequency_penalty"),
+])  # fmt: skip
+def test_bad_adjustments_are_refused_naming_the_value(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_and_the_wire_keeps_the_numbers(model):
+    llm, _ = model
+    with pytest.raises(ValueError, match="logit_bias token id 512 is outside the vocabulary"):
+        llm.generate([PROMPT], SamplingParams(logit_bias={512: 1.0}))
+    sent = SamplingParams(num_tokens_to_generate=4, presence_penalty=0.1, frequency_penalty=-0.3,
+                          logit_bias={9: 0.5, 2: -7.0})  # fmt: skip
+    back = sampling_from_proto(sampling_to_proto(sent))
+    assert (back.logit_bias, back.presence_penalty, back.frequency_penalty) == (((2, -7.0), (9, 0.5)), 0.1, -0.3)
