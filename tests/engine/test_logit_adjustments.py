@@ -112,3 +112,30 @@ def test_a_bias_outside_the_vocabulary_is_refused_and_the_wire_keeps_the_numbers
                           logit_bias={9: 0.5, 2: -7.0})  # fmt: skip
     back = sampling_from_proto(sampling_to_proto(sent))
     assert (back.logit_bias, back.presence_penalty, back.frequency_penalty) == (((2, -7.0), (9, 0.5)), 0.1, -0.3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_a_gpu_with_graphs_and_run_ahead_the_tokens_equal_the_cpu_engine(checkpoint):
+    """fp32: the CUDA engine (decode graphs, steps run ahead, the batched device sampler for the
+    unadjusted sampled row) gives each row the CPU engine's tokens."""
+    path, _ = checkpoint
+    rows = [params(), params(**ADJUSTED), SamplingParams(num_tokens_to_generate=NEW, temperature=0.8, seed=4,
+                                                         ignore_eos=True, **ADJUSTED)]  # fmt: skip
+
+    def run(llm):
+        engine = llm.engine
+        for i, p in enumerate(rows):
+            engine.add_request(f"r{i}", PROMPT, p)
+        done = {}
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.result is not None and out.result.is_finished:
+                    done[out.request_id] = list(out.result.generated_tokens)
+        return done
+
+    gpu = LLM(str(path), device="cuda", enable_cuda_graphs=True, block_size_tokens=8, num_blocks=64)
+    assert gpu.engine.async_scheduling
+    cpu = run(LLM(str(path), block_size_tokens=8, num_blocks=64))
+    on_gpu = run(gpu)
+    assert (on_gpu["r0"], on_gpu["r1"]) == (cpu["r0"], cpu["r1"])
+    assert len(on_gpu["r2"]) == NEW  # sampled from its adjusted logits on the host (another RNG than the CPU's)
