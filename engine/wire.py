@@ -70,7 +70,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         skip_prompt_log_probs=True,
         top_n_logprobs=msg.top_n_logprobs,
         output_offset=msg.output_offset,
-        logit_bias=dict(msg.logit_bias),
+        logit_bias={token: _exact(bias) for token, bias in msg.logit_bias.items()},
         presence_penalty=_exact(msg.presence_penalty),
         frequency_penalty=_exact(msg.frequency_penalty),
     )

@@ -84,7 +84,7 @@ class SamplingFields(_Strict):
         if len(value) > MAX_LOGIT_BIAS:
             raise bad_request(f"logit_bias may hold at most {MAX_LOGIT_BIAS} tokens, got {len(value)}", "logit_bias")
         for key, bias in value.items():
-            if not key.isdigit():
+            if not (key.isascii() and key.isdigit()):
                 raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
                                   "logit_bias")  # fmt: skip
             if not -100.0 <= bias <= 100.0:

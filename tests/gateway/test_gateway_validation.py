@@ -64,6 +64,7 @@ CASES = [
     (DONE, {"prompt": "a", "presence_penalty": -2.5}, 400, "presence_penalty"),
     (DONE, {"prompt": "a", "frequency_penalty": 3}, 400, "frequency_penalty"),
     (DONE, {"prompt": "a", "logit_bias": {"x5": 1.0}}, 400, "logit_bias keys must be token ids"),
+    (DONE, {"prompt": "a", "logit_bias": {"\u00b2": 1.0}}, 400, "logit_bias keys must be token ids"),
     (DONE, {"prompt": "a", "logit_bias": {"5": 101}}, 400, "logit_bias values must be in [-100, 100]"),
     (DONE, {"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, 400, "at most 300 tokens"),
     (DONE, {"prompt": "a", "logit_bias": {"99999999": 1}}, 400, "logit_bias token id 99999999 is out of the vocabulary"),
