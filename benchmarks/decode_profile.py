@@ -12,7 +12,12 @@ Runs our engine on the Llama-3.2-1B shape (random bf16 weights, see
   kernel's own speed and its speed in the step have differed: benchmarks/RESULTS.md, session 20;
   under PDL the spans overlap, see the note printed with the table).
 
+- with `--adjusted N`, N requests of each batch carry a frequency penalty and a logit bias
+  (sampled from their own logits on the host; their batch is not run ahead): the step time it
+  costs every request beside them.
+
     python benchmarks/decode_profile.py --batches 1,64 [--profile] [--replay-kernels] [--option KEY=VALUE]
+    python benchmarks/decode_profile.py --batches 64 --adjusted 0,1    # the cost of one penalized request
 """
 
 from __future__ import annotations
@@ -108,6 +113,24 @@ def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
     return _table(prof)
 
 
+def generate(llm, prompts, params, adjusted: int):
+    """`llm.generate(prompts, params)`, the first `adjusted` requests with a frequency penalty and a
+    logit bias added (engine requests: one SamplingParams per request)."""
+    if not adjusted:
+        return llm.generate(prompts, params)
+    from dataclasses import replace
+
+    engine, done = llm.engine, {}
+    for i, prompt in enumerate(prompts):
+        extra = dict(frequency_penalty=0.5, logit_bias={13: 0.5}) if i < adjusted else {}
+        engine.add_request(f"adj{i}", prompt, replace(params, **extra))
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                done[out.request_id] = out.result
+    return [done[f"adj{i}"] for i in range(len(prompts))]
+
+
 def main() -> None:
     from splitserve import LLM, SamplingParams
 
@@ -120,6 +143,8 @@ def main() -> None:
     p.add_argument("--kernels", action="store_true", help="print per-kernel GPU time of 20 eager decode steps")
     p.add_argument("--replay-kernels", action="store_true", help="print per-kernel GPU time inside 20 graph replays")
     p.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (repeatable)")
+    p.add_argument("--adjusted", default="0", metavar="N[,N...]",
+                   help="requests per batch with a frequency penalty and a logit bias (one row per value)")
     args = p.parse_args()
     extra = {}
     for item in args.option:
@@ -139,7 +164,8 @@ def main() -> None:
         llm = LLM(str(path), device="cuda", block_size_tokens=16, buffer_size_gb=20, max_tokens=32768,
                   max_requests=128, **extra)
         rows = []
-        for batch in [int(b) for b in args.batches.split(",")]:
+        cases = [(int(b), int(a)) for b in args.batches.split(",") for a in args.adjusted.split(",")]
+        for batch, adjusted in cases:
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(10, 1000, (512,), generator=g).tolist() for _ in range(batch)]
             how = dict(temperature=0.0)
@@ -155,7 +181,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if prof:
                     prof.enable()
-                res = llm.generate(prompts, SamplingParams(num_tokens_to_generate=new, ignore_eos=True, **how))
+                res = generate(llm, prompts, SamplingParams(num_tokens_to_generate=new, ignore_eos=True, **how), adjusted)
                 torch.cuda.synchronize()
                 if prof:
                     prof.disable()
@@ -169,7 +195,7 @@ def main() -> None:
             replay = replay_time(llm, batch)
             step_bytes = 2 * params + batch * (512 + args.new_tokens / 2) * kv_per_token
             roof_step = step_bytes / bw
-            rows.append((batch, step, replay, roof_step))
+            rows.append((batch, adjusted, step, replay, roof_step))
             if args.replay_kernels:
                 print(f"--- kernels inside 20 replays of the batch-{batch} decode graph ---")
                 print(replay_kernel_table(llm, batch))
@@ -179,9 +205,11 @@ def main() -> None:
                 print(f"--- cProfile, batch {batch} (profiled run; overhead inflates times) ---")
                 print(s.getvalue()[:6000])
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-        print(f"{'batch':>5} {'step ms':>8} {'replay ms':>10} {'roofline ms':>12} {'step/roof':>10} {'replay/roof':>12}")
-        for batch, step, replay, roof in rows:
-            print(f"{batch:>5} {step * 1e3:>8.3f} {replay * 1e3:>10.3f} {roof * 1e3:>12.3f} {roof / step:>10.1%} {roof / replay:>12.1%}")
+        print(f"{'batch':>5} {'adjusted':>8} {'step ms':>8} {'replay ms':>10} {'roofline ms':>12} {'step/roof':>10} "
+              f"{'replay/roof':>12}")
+        for batch, adjusted, step, replay, roof in rows:
+            print(f"{batch:>5} {adjusted:>8} {step * 1e3:>8.3f} {replay * 1e3:>10.3f} {roof * 1e3:>12.3f} "
+                  f"{roof / step:>10.1%} {roof / replay:>12.1%}")
 
 
 if __name__ == "__main__":
