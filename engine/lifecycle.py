@@ -8,6 +8,11 @@ drives it; see control_plane/lifecycle.py for the states):
 Suspending drops every handoff pin and preempts running requests back to the
 waiting queue (they are recomputed after resume), and clears the prefix cache,
 so nothing refers to freed memory. Called on every rank of a group, in step.
+
+No warm-up (engine/warmup.py) runs after a resume, although suspending drops the CUDA graphs:
+an RL loop resumes once per weight sync, where a sweep over every batch bucket would cost each
+sync seconds, while the first batches after it recapture only the graphs they need (tens of
+ms each; the Triton kernels stay compiled in the process).
 """
 
 from __future__ import annotations
