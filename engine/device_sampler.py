@@ -19,12 +19,13 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
+from splitserve.engine.sampler import to_device
+
 
 def draws_without_logprobs(params) -> bool:
-    """A sampled row whose token alone is wanted, from unadjusted logits: the batched sampler
-    may draw it."""
-    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs and \
-        not params.adjusts_logits
+    """A sampled row whose token alone is wanted: the batched sampler may draw it (a row with a
+    logit bias or penalties from its logits adjusted in place first: engine/adjusted_rows.py)."""
+    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
 
 
 def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:
@@ -36,13 +37,6 @@ def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:
     return max_top_k, any(uses_p), all(k or not p for k, p in zip(uses_k, uses_p, strict=True))
 
 
-def _pinned(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    host = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
-
-
 def draw_rows(
     chunks, logits: torch.Tensor, spans: list[tuple[int, int]], row_seed: Callable[[object], int],
     picked: Sequence[int],
@@ -52,9 +46,9 @@ def draw_rows(
     from splitserve import kernels
 
     reqs = [chunks[i].request for i in picked]
-    table = _pinned([[spans[i][1] - 1, r.params.top_k, row_seed(r)] for i, r in zip(picked, reqs, strict=True)],
+    table = to_device([[spans[i][1] - 1, r.params.top_k, row_seed(r)] for i, r in zip(picked, reqs, strict=True)],
                     torch.long, logits.device)
-    floats = _pinned([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32, logits.device)
+    floats = to_device([[r.params.temperature, r.params.top_p] for r in reqs], torch.float32, logits.device)
     max_top_k, any_top_p, within = mask_flags([r.params for r in reqs], logits.shape[1])
     return kernels.sample_rows(logits, floats[:, 0], table[:, 1], floats[:, 1], table[:, 2], rows=table[:, 0],
                                max_top_k=max_top_k, any_top_p=any_top_p, top_p_within_top_k=within)

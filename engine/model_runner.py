@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from splitserve.engine.adjusted_rows import adjust_in_place, adjusted_rows
 from splitserve.engine.batch import prepare_inputs
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device_sampler import (
@@ -27,7 +28,7 @@ from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
 from splitserve.engine.parallel import ParallelState
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
+from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row, to_device
 from splitserve.engine.scheduler import SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -82,6 +83,8 @@ class PendingStep:
     greedy: torch.Tensor | None = None
     greedy_host: torch.Tensor | None = None
     drawn: frozenset[int] = frozenset()
+    adjusted: frozenset[int] = frozenset()
+    """Rows whose logit bias / penalties are already in `logits` (engine/adjusted_rows.py)."""
     """Sampled rows already drawn at launch: their tokens stand in `greedy` in place of the
     argmax, so the step can be fed forward like a greedy one (`_draw_at_launch`)."""
     ready: torch.cuda.Event | None = None
@@ -200,7 +203,7 @@ class ModelRunner:
         fed = feed.greedy[: len(out.chunks)] if feed is not None else None
         if self.graphs is not None and self.graphs.can_run(out):
             logits, greedy = self.graphs.launch(out, fed)
-            return self._decode_pending(out, logits, greedy, graphed=True)
+            return self._decode_pending(out, logits, greedy, graphed=True, fed=fed)
         mixed = self.graphs.mixed if self.graphs is not None else None
         if mixed is not None and fed is None and self.layer_listener is None and mixed.can_run(out):
             return PendingStep(out, hidden=mixed.launch(out))  # a step with prefill chunks (mixed_graphs.py)
@@ -222,10 +225,10 @@ class ModelRunner:
         hidden = self.model(
             inputs.positions, inputs.meta, self.kv_caches, input_ids=inputs.input_ids, hidden=hidden, **extra
         )
-        pending = self._after_forward(out, inputs, hidden)
+        pending = self._after_forward(out, inputs, hidden, fed)
         return pending if drain is None else replace(pending, layer_marks=drain)
 
-    def _after_forward(self, out: SchedulerOutput, inputs, hidden: torch.Tensor) -> PendingStep:
+    def _after_forward(self, out: SchedulerOutput, inputs, hidden: torch.Tensor, fed=None) -> PendingStep:
         if self.states is not None:
             self.states.finish(out)
         if not self.ps.is_last_stage:
@@ -235,27 +238,49 @@ class ModelRunner:
             c.request.wants_prompt_log_probs for c in out.chunks
         ):
             logits = self.model.compute_logits(hidden)
-            return self._decode_pending(out, logits, greedy_ids(logits, self._triton_argmax))
+            return self._decode_pending(out, logits, greedy_ids(logits, self._triton_argmax), fed=fed)
         return PendingStep(out, hidden=hidden)
 
     def _decode_pending(
-        self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor, graphed: bool = False
+        self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor, graphed: bool = False,
+        fed: torch.Tensor | None = None,
     ) -> PendingStep:
         """A decode step's logits (one row per sequence) and argmax — with the sampled rows'
         draws in place of theirs (`_draw_at_launch`) — on its way to the host now, so
         `collect` waits for this step only, not for a later one queued behind it."""
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
-        drawn = self._draw_at_launch(out, logits, greedy, graphed) if self.ps.is_driver else frozenset()
+        adjusted = drawn = frozenset()
+        if self.ps.is_driver:
+            adjusted = self._adjust_at_launch(out, logits, greedy, fed)
+            drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
+            drawn |= {i for i in adjusted if out.chunks[i].request.params.is_greedy}
         if greedy.device.type != "cuda":
-            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn)
+            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted)
         host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
         host.copy_(greedy, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn)
+        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn,
+                           adjusted=adjusted)
+
+    def _adjust_at_launch(
+        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None
+    ) -> frozenset[int]:
+        """Rows with a logit bias or penalties (no log-probs): adjusted in `logits` now, the greedy
+        ones' argmax into `tokens` — the step can then run ahead like any other (adjusted_rows.py)."""
+        picked = adjusted_rows(out.chunks)
+        if not picked:
+            return frozenset()
+        adjust_in_place(logits, out.chunks, picked, picked, fed)
+        plain = [i for i in picked if out.chunks[i].request.params.is_greedy]
+        if plain:
+            at = to_device(plain, torch.long, logits.device)
+            tokens.index_copy_(0, at, logits.index_select(0, at).argmax(-1).to(tokens.dtype))
+        return frozenset(picked)
 
     def _draw_at_launch(
-        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False
+        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False,
+        adjusted: frozenset[int] = frozenset(),
     ) -> frozenset[int]:
         """Draw a decode step's sampled rows that want no log-probs now, into `tokens` (row i =
         chunk i), so they need neither the logits nor a host round trip at `collect` and the
@@ -282,7 +307,8 @@ class ModelRunner:
         picked = sampled_rows(out.chunks)
         for i in picked:
             req = out.chunks[i].request
-            tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode).token_id
+            tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode,
+                                   preadjusted=i in adjusted).token_id
         return frozenset(picked)
 
     @torch.inference_mode()
@@ -296,7 +322,7 @@ class ModelRunner:
                 if step.ready is not None:
                     step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
-                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn)
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted)
             elif step.hidden is not None:
                 results = self._sample(step.out, step.hidden)
         return self.ps.broadcast_from_driver(results)
@@ -318,11 +344,17 @@ class ModelRunner:
 
     def _sample_logits(
         self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
-        drawn: frozenset[int] = frozenset(),
+        drawn: frozenset[int] = frozenset(), adjusted: frozenset[int] = frozenset(),
     ) -> list[ChunkResult]:
         """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
         `greedy`: their argmax when the step already computed it (a CUDA graph), with the
-        tokens of the `drawn` chunks' rows drawn at launch in place of theirs."""
+        tokens of the `drawn` chunks' rows drawn at launch in place of theirs; `adjusted`: rows
+        whose bias / penalties are already in `logits` (the others are adjusted here first)."""
+        if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
+            late = adjusted_rows(out.chunks, skip=adjusted)
+            if late:
+                adjust_in_place(logits, out.chunks, late, [spans[i][1] - 1 for i in late])
+                adjusted = adjusted | frozenset(late)
         # Plain greedy rows (the common case) share one argmax and one host sync.
         if greedy is None and logits is not None:
             greedy = greedy_ids(logits, self._triton_argmax)
@@ -334,13 +366,13 @@ class ModelRunner:
             sample = None
             params = req.params
             if i in drawn or (chunk.is_sample and params.is_greedy and not params.return_log_probs
-                              and not params.top_n_logprobs and not params.adjusts_logits):
+                              and not params.top_n_logprobs and (not params.adjusts_logits or i in adjusted)):
                 sample = SampleResult(greedy[last - 1])
             elif i in drawn_now:
                 sample = SampleResult(drawn_now[i])
-            elif chunk.is_sample:
+            elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
-                                    req.output_so_far() if params.adjusts_logits else ())
+                                    req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted)
             plp: list[float] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
                 end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)

@@ -89,6 +89,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         check_penalty("presence_penalty", self.presence_penalty)
         check_penalty("frequency_penalty", self.frequency_penalty)
+        adjusts = bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        object.__setattr__(self, "_adjusts", adjusts)  # read per row per step: not recomputed
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:
@@ -110,7 +112,7 @@ class SamplingParams:
     def adjusts_logits(self) -> bool:
         """A logit bias or a penalty: the row is scored on the host from its own logits (never a
         shared argmax or the batched device draw) — engine/sampler.py `adjust_logits`."""
-        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        return self._adjusts
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """New tokens allowed for a prompt of `prompt_len` tokens (may be <= 0)."""

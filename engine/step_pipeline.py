@@ -62,8 +62,7 @@ def can_run_ahead(engine, out, pending) -> bool:
         params = req.params
         if chunk.num_tokens != 1 or not chunk.is_sample:
             return False
-        if params.return_log_probs or params.top_n_logprobs or params.adjusts_logits or \
-                not (params.is_greedy or i in pending.drawn):  # sampled at collect, from its own logits
+        if params.return_log_probs or params.top_n_logprobs or not (params.is_greedy or i in pending.drawn):
             return False
     return alive > 0 and alive == len(sched.running) and engine.pool.num_available >= alive
 

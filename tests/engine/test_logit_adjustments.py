@@ -48,25 +48,55 @@ def params(**extra):
     return SamplingParams(num_tokens_to_generate=NEW, temperature=0.0, ignore_eos=True, **extra)
 
 
-@pytest.mark.parametrize("ahead", [False, True], ids=["in_step", "run_ahead"])
-def test_greedy_with_penalties_and_bias_equals_the_hand_loop_beside_a_plain_request(checkpoint, ahead):
-    """run_ahead: steps kept in flight (the CUDA default) feed each row the argmax on the device —
-    never an adjusted row's token."""
-    path, hf = checkpoint
-    llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead)
-    plain_ref = reference(hf, PROMPT, NEW)
-    adjusted = params(**ADJUSTED)
-    adjusted_ref = reference(hf, PROMPT, NEW, 0.7, 1.3, adjusted.logit_bias)
-    assert adjusted_ref != plain_ref  # the adjustments change this output
-    engine = llm.engine
-    engine.add_request("plain", PROMPT, params())
-    engine.add_request("adjusted", PROMPT, adjusted)
-    results = {}
+def run_batch(llm, rows) -> tuple[dict, list[bool]]:
+    """Each of `rows` (params) on PROMPT as one engine batch: tokens per row, and per step
+    whether the engine left a step in flight (ran ahead)."""
+    engine, done, ahead = llm.engine, {}, []
+    for i, p in enumerate(rows):
+        engine.add_request(f"r{i}", PROMPT, p)
     while engine.has_unfinished():
         for out in engine.step():
             if out.result is not None and out.result.is_finished:
-                results[out.request_id] = list(out.result.generated_tokens)
-    assert results == {"plain": plain_ref, "adjusted": adjusted_ref}
+                done[int(out.request_id[1:])] = list(out.result.generated_tokens)
+        ahead.append(engine._inflight is not None)
+    return done, ahead
+
+
+def sampled(**extra):
+    return SamplingParams(**{"num_tokens_to_generate": NEW, "temperature": 0.9, "seed": 11, "ignore_eos": True, **extra})
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_step", "run_ahead"])
+def test_greedy_with_penalties_and_bias_equals_the_hand_loop_beside_a_plain_request(checkpoint, ahead):
+    """run_ahead: steps kept in flight (the CUDA default), the adjusted rows adjusted in the step's
+    logits at launch with their previous token still on the device — and the batch keeps running
+    ahead with them."""
+    path, hf = checkpoint
+    adjusted = params(**ADJUSTED)
+    plain_ref = reference(hf, PROMPT, NEW)
+    adjusted_ref = reference(hf, PROMPT, NEW, 0.7, 1.3, adjusted.logit_bias)
+    assert adjusted_ref != plain_ref  # the adjustments change this output
+    llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead)
+    done, ran_ahead = run_batch(llm, [params(), adjusted])
+    assert done == {0: plain_ref, 1: adjusted_ref}
+    assert sum(ran_ahead) >= (NEW - 4 if ahead else 0) and (ahead or not any(ran_ahead))
+
+
+def test_sampled_and_log_prob_rows_with_adjustments_draw_alike_run_ahead_or_not(checkpoint):
+    """Seeded draws from adjusted rows (and an adjusted row that wants log-probs: sampled from a
+    copy on the host, which keeps the batch from running ahead only while it runs) are the
+    same whether steps run ahead or not; the greedy adjusted row still equals the hand loop."""
+    path, hf = checkpoint
+    rows = [sampled(), sampled(**ADJUSTED), params(**ADJUSTED), sampled(presence_penalty=-1.0, top_k=20, seed=5)]
+    runs = {}
+    for ahead in (False, True):
+        runs[ahead] = run_batch(LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead), rows)
+    assert runs[True][0] == runs[False][0] and sum(runs[True][1]) >= NEW - 4
+    assert runs[True][0][2] == reference(hf, PROMPT, NEW, 0.7, 1.3, params(**ADJUSTED).logit_bias)
+    assert runs[True][0][1] != runs[True][0][0]  # the adjustments change the draws
+    with_log_probs = rows + [params(return_log_probs=True, **ADJUSTED)]
+    done, ahead = run_batch(LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=True), with_log_probs)
+    assert done[4] == done[2] and not any(ahead)
 
 
 def test_a_resumed_request_counts_the_output_it_carries_in_its_prompt(model):
@@ -116,26 +146,14 @@ def test_a_bias_outside_the_vocabulary_is_refused_and_the_wire_keeps_the_numbers
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_a_gpu_with_graphs_and_run_ahead_the_tokens_equal_the_cpu_engine(checkpoint):
-    """fp32: the CUDA engine (decode graphs, steps run ahead, the batched device sampler for the
-    unadjusted sampled row) gives each row the CPU engine's tokens."""
+    """fp32: the CUDA engine (decode graphs, steps run ahead with the adjusted rows adjusted in the
+    graph's logits, sampled ones drawn by the device sampler) gives each greedy row the CPU
+    engine's tokens, and keeps running ahead."""
     path, _ = checkpoint
-    rows = [params(), params(**ADJUSTED), SamplingParams(num_tokens_to_generate=NEW, temperature=0.8, seed=4,
-                                                         ignore_eos=True, **ADJUSTED)]  # fmt: skip
-
-    def run(llm):
-        engine = llm.engine
-        for i, p in enumerate(rows):
-            engine.add_request(f"r{i}", PROMPT, p)
-        done = {}
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.result is not None and out.result.is_finished:
-                    done[out.request_id] = list(out.result.generated_tokens)
-        return done
-
+    rows = [params(), params(**ADJUSTED), sampled(**ADJUSTED), sampled()]
     gpu = LLM(str(path), device="cuda", enable_cuda_graphs=True, block_size_tokens=8, num_blocks=64)
     assert gpu.engine.async_scheduling
-    cpu = run(LLM(str(path), block_size_tokens=8, num_blocks=64))
-    on_gpu = run(gpu)
-    assert (on_gpu["r0"], on_gpu["r1"]) == (cpu["r0"], cpu["r1"])
-    assert len(on_gpu["r2"]) == NEW  # sampled from its adjusted logits on the host (another RNG than the CPU's)
+    cpu, _ = run_batch(LLM(str(path), block_size_tokens=8, num_blocks=64), rows)
+    on_gpu, ahead = run_batch(gpu, rows)
+    assert (on_gpu[0], on_gpu[1]) == (cpu[0], cpu[1]) and sum(ahead) >= NEW - 4
+    assert len(on_gpu[2]) == NEW and on_gpu[2] != on_gpu[3]  # drawn from adjusted logits (another RNG than the CPU's)

@@ -1,0 +1,57 @@
+"""Rows with a logit bias or penalties, adjusted in place in a step's logits before any token is
+taken from them — so the step's argmax, the batched device draw and the captured sampler graphs
+all see the adjusted rows, and a decode step with such rows can still run ahead.
+
+A decode step launched ahead (engine/step_pipeline.py) has its rows' previous token only on the
+device: the host holds a placeholder for it. That token is the step's input id for the row, so
+the counts a penalty needs are the host-known output plus that one id (`fed`), added on the
+device; no host sync. Rows that want log-probs are left alone: they are sampled on the host from
+the model's own logits (raw log-probs), adjusting a copy (engine/sampler.py `sample_row`).
+
+    launch (decode-only step)           collect (steps with prefill chunks)
+    adjust_in_place(rows, fed)          adjust_in_place(rows not yet adjusted)
+    greedy rows: argmax into tokens     argmax / device draw / host draw from the adjusted rows
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+
+from splitserve.engine.sampler import apply_adjustments, output_counts, to_device
+
+
+def adjusts_in_place(params) -> bool:
+    """A row adjusted in the step's logits: a bias or penalty, and no log-probs wanted."""
+    return params.adjusts_logits and not params.return_log_probs and not params.top_n_logprobs
+
+
+def adjusted_rows(chunks, skip: Collection[int] = ()) -> list[int]:
+    """The chunks of a step (but `skip`) that sample a token from in-place adjusted logits."""
+    rows = []
+    for i, chunk in enumerate(chunks):  # per decode step over the whole batch: the cheap test first
+        params = chunk.request.params
+        if params.adjusts_logits and adjusts_in_place(params) and chunk.is_sample and i not in skip:
+            rows.append(i)
+    return rows
+
+
+def adjust_in_place(
+    logits: torch.Tensor, chunks, picked: Sequence[int], rows: Sequence[int], fed: torch.Tensor | None = None
+) -> None:
+    """Adjust logits row `rows[j]` for chunk `picked[j]`. `fed` [num chunks] (a step launched
+    ahead): each chunk's previous token on the device, counted where its request's output ends
+    in a placeholder."""
+    reqs = [chunks[i].request for i in picked]
+    outputs = [req.output_so_far() for req in reqs]
+    counts = output_counts(outputs, logits.shape[-1], logits.device)
+    pending = [j for j, ids in enumerate(outputs) if ids and ids[-1] < 0]
+    if pending:
+        if fed is None:
+            raise RuntimeError("a request's last token is still on the device, but the step was not fed it")
+        index = to_device([[j, picked[j]] for j in pending], torch.long, logits.device)
+        counts.index_put_((index[:, 0], fed[index[:, 1]].long()), torch.ones(len(pending), device=logits.device),
+                          accumulate=True)  # fmt: skip
+    at = to_device(list(rows), torch.long, logits.device)
+    logits.index_copy_(0, at, apply_adjustments(logits.index_select(0, at), counts, [r.params for r in reqs]))
