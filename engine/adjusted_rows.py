@@ -55,3 +55,18 @@ def adjust_in_place(
                           accumulate=True)  # fmt: skip
     at = to_device(list(rows), torch.long, logits.device)
     logits.index_copy_(0, at, apply_adjustments(logits.index_select(0, at), counts, [r.params for r in reqs]))
+
+
+def adjust_at_launch(chunks, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None) -> frozenset[int]:
+    """A decode step's rows (row i = chunk i) with a bias or penalties and no log-probs: adjusted
+    in `logits` now, the greedy ones' argmax into `tokens` (the step's tokens on the device) — the
+    step can then run ahead like any other. Returns the adjusted rows."""
+    picked = adjusted_rows(chunks)
+    if not picked:
+        return frozenset()
+    adjust_in_place(logits, chunks, picked, picked, fed)
+    plain = [i for i in picked if chunks[i].request.params.is_greedy]
+    if plain:
+        at = to_device(plain, torch.long, logits.device)
+        tokens.index_copy_(0, at, logits.index_select(0, at).argmax(-1).to(tokens.dtype))
+    return frozenset(picked)

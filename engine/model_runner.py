@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from splitserve.engine.adjusted_rows import adjust_in_place, adjusted_rows
+from splitserve.engine.adjusted_rows import adjust_at_launch, adjust_in_place, adjusted_rows
 from splitserve.engine.batch import prepare_inputs
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.device_sampler import (
@@ -28,7 +28,7 @@ from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
 from splitserve.engine.parallel import ParallelState
 from splitserve.engine.request import Request
-from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row, to_device
+from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -251,7 +251,7 @@ class ModelRunner:
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
         adjusted = drawn = frozenset()
         if self.ps.is_driver:
-            adjusted = self._adjust_at_launch(out, logits, greedy, fed)
+            adjusted = adjust_at_launch(out.chunks, logits, greedy, fed)
             drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
             drawn |= {i for i in adjusted if out.chunks[i].request.params.is_greedy}
         if greedy.device.type != "cuda":
@@ -262,21 +262,6 @@ class ModelRunner:
         ready.record()
         return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn,
                            adjusted=adjusted)
-
-    def _adjust_at_launch(
-        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None
-    ) -> frozenset[int]:
-        """Rows with a logit bias or penalties (no log-probs): adjusted in `logits` now, the greedy
-        ones' argmax into `tokens` — the step can then run ahead like any other (adjusted_rows.py)."""
-        picked = adjusted_rows(out.chunks)
-        if not picked:
-            return frozenset()
-        adjust_in_place(logits, out.chunks, picked, picked, fed)
-        plain = [i for i in picked if out.chunks[i].request.params.is_greedy]
-        if plain:
-            at = to_device(plain, torch.long, logits.device)
-            tokens.index_copy_(0, at, logits.index_select(0, at).argmax(-1).to(tokens.dtype))
-        return frozenset(picked)
 
     def _draw_at_launch(
         self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False,
