@@ -124,10 +124,14 @@ def generate(llm, prompts, params, adjusted: int):
     for i, prompt in enumerate(prompts):
         extra = dict(frequency_penalty=0.5, logit_bias={13: 0.5}) if i < adjusted else {}
         engine.add_request(f"adj{i}", prompt, replace(params, **extra))
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.result is not None and out.result.is_finished:
-                done[out.request_id] = out.result
+    snapshot, engine.snapshot_outputs = engine.snapshot_outputs, False  # as `LLM.generate` runs it
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.result is not None and out.result.is_finished:
+                    done[out.request_id] = out.result
+    finally:
+        engine.snapshot_outputs = snapshot
     return [done[f"adj{i}"] for i in range(len(prompts))]
 
 
@@ -172,7 +176,7 @@ def main() -> None:
             if args.sample:
                 t, k, top_p = args.sample.split(",")
                 how = dict(temperature=float(t), top_k=int(k), top_p=float(top_p), seed=7)
-            llm.generate(prompts, SamplingParams(num_tokens_to_generate=4, ignore_eos=True, **how))
+            generate(llm, prompts, SamplingParams(num_tokens_to_generate=4, ignore_eos=True, **how), adjusted)
             timings = []
             for new in (1, args.new_tokens):
                 llm.engine.pool.reset_prefix_cache()

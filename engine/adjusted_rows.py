@@ -6,7 +6,11 @@ A decode step launched ahead (engine/step_pipeline.py) has its rows' previous to
 device: the host holds a placeholder for it. That token is the step's input id for the row, so
 the counts a penalty needs are the host-known output plus that one id (`fed`), added on the
 device; no host sync. Rows that want log-probs are left alone: they are sampled on the host from
-the model's own logits (raw log-probs), adjusting a copy (engine/sampler.py `sample_row`).
+the model's own logits (raw log-probs), adjusting a copy (engine/logit_slots.py `adjust_once`).
+
+Each request's counts and bias live on the device (engine/logit_slots.py): a step sends the ids
+its rows produced since their last adjustment, and one kernel launch adjusts every row
+(kernels/logit_adjust.py; the same arithmetic in torch on the CPU).
 
     launch (decode-only step)           collect (steps with prefill chunks)
     adjust_in_place(rows, fed)          adjust_in_place(rows not yet adjusted)
@@ -19,7 +23,8 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from splitserve.engine.sampler import apply_adjustments, output_counts, to_device
+from splitserve.engine.devices import to_device
+from splitserve.engine.logit_slots import LogitSlots
 
 
 def adjusts_in_place(params) -> bool:
@@ -38,33 +43,25 @@ def adjusted_rows(chunks, skip: Collection[int] = ()) -> list[int]:
 
 
 def adjust_in_place(
-    logits: torch.Tensor, chunks, picked: Sequence[int], rows: Sequence[int], fed: torch.Tensor | None = None
+    slots: LogitSlots, logits: torch.Tensor, chunks, picked: Sequence[int], rows: Sequence[int],
+    fed: torch.Tensor | None = None,
 ) -> None:
     """Adjust logits row `rows[j]` for chunk `picked[j]`. `fed` [num chunks] (a step launched
     ahead): each chunk's previous token on the device, counted where its request's output ends
     in a placeholder."""
-    reqs = [chunks[i].request for i in picked]
-    outputs = [req.output_so_far() for req in reqs]
-    counts = output_counts(outputs, logits.shape[-1], logits.device)
-    pending = [j for j, ids in enumerate(outputs) if ids and ids[-1] < 0]
-    if pending:
-        if fed is None:
-            raise RuntimeError("a request's last token is still on the device, but the step was not fed it")
-        index = to_device([[j, picked[j]] for j in pending], torch.long, logits.device)
-        counts.index_put_((index[:, 0], fed[index[:, 1]].long()), torch.ones(len(pending), device=logits.device),
-                          accumulate=True)  # fmt: skip
-    at = to_device(list(rows), torch.long, logits.device)
-    logits.index_copy_(0, at, apply_adjustments(logits.index_select(0, at), counts, [r.params for r in reqs]))
+    slots.adjust(logits, [(row, chunks[i].request, i) for row, i in zip(rows, picked, strict=True)], fed)
 
 
-def adjust_at_launch(chunks, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None) -> frozenset[int]:
+def adjust_at_launch(
+    slots: LogitSlots, chunks, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None
+) -> frozenset[int]:
     """A decode step's rows (row i = chunk i) with a bias or penalties and no log-probs: adjusted
     in `logits` now, the greedy ones' argmax into `tokens` (the step's tokens on the device) — the
     step can then run ahead like any other. Returns the adjusted rows."""
     picked = adjusted_rows(chunks)
     if not picked:
         return frozenset()
-    adjust_in_place(logits, chunks, picked, picked, fed)
+    adjust_in_place(slots, logits, chunks, picked, picked, fed)
     plain = [i for i in picked if chunks[i].request.params.is_greedy]
     if plain:
         at = to_device(plain, torch.long, logits.device)

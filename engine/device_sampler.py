@@ -19,7 +19,7 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from splitserve.engine.sampler import to_device
+from splitserve.engine.devices import to_device
 
 
 def draws_without_logprobs(params) -> bool:

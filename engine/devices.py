@@ -1,6 +1,7 @@
 """Which device an engine runs on, and whether a TP x PP group of them is a CUDA (NCCL) or a CPU
 (gloo) group: the one rule for engines (`model_runner.py`), the rank launcher (`launch.py`) and
-the worker groups (`worker_runtime.py`). Torch only: cheap to import before anything is built."""
+the worker groups (`worker_runtime.py`); and how a small host list reaches a GPU mid-step
+(`to_device`). Torch only: cheap to import before anything is built."""
 
 from __future__ import annotations
 
@@ -39,3 +40,12 @@ def group_on_cuda(device: str, tp: int, pp: int = 1) -> bool:
             f"{torch.cuda.device_count()}; use fewer ranks or --device cpu"
         )
     return on_cuda
+
+
+def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device`; to a GPU from pinned memory, queued on the stream (a copy
+    from pageable memory would wait for the steps already queued there)."""
+    host = torch.tensor(rows, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

@@ -1,6 +1,6 @@
 """The checks of a request's logit adjustments — OpenAI's `logit_bias`, `presence_penalty` and
 `frequency_penalty` — shared by the engine's SamplingParams, the SDK's and the gateway (no torch:
-light processes import it). The adjustment itself is engine/sampler.py `adjust_logits`."""
+light processes import it). The adjustment itself: engine/adjusted_rows.py."""
 
 from __future__ import annotations
 

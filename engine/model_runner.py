@@ -24,6 +24,7 @@ from splitserve.engine.device_sampler import (
 )
 from splitserve.engine.devices import resolve_device
 from splitserve.engine.kv_cache import allocate_kv_caches, num_blocks_for
+from splitserve.engine.logit_slots import LogitSlots
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.llama import build_model
 from splitserve.engine.parallel import ParallelState
@@ -142,6 +143,7 @@ class ModelRunner:
             from splitserve.engine.attention_flashinfer import FlashInferPlanner
 
             self.planner = FlashInferPlanner(self.device, self.flashinfer)
+        self.logit_slots = LogitSlots(model_config.vocab_size, self.device)  # bias / penalty state per request
         self.graphs = None
         if (
             self.backend in ("triton", "flashinfer")
@@ -251,7 +253,7 @@ class ModelRunner:
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
         adjusted = drawn = frozenset()
         if self.ps.is_driver:
-            adjusted = adjust_at_launch(out.chunks, logits, greedy, fed)
+            adjusted = adjust_at_launch(self.logit_slots, out.chunks, logits, greedy, fed)
             drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
             drawn |= {i for i in adjusted if out.chunks[i].request.params.is_greedy}
         if greedy.device.type != "cuda":
@@ -338,7 +340,7 @@ class ModelRunner:
         if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
             late = adjusted_rows(out.chunks, skip=adjusted)
             if late:
-                adjust_in_place(logits, out.chunks, late, [spans[i][1] - 1 for i in late])
+                adjust_in_place(self.logit_slots, logits, out.chunks, late, [spans[i][1] - 1 for i in late])
                 adjusted = adjusted | frozenset(late)
         # Plain greedy rows (the common case) share one argmax and one host sync.
         if greedy is None and logits is not None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve.engine.logit_slots import adjust_once
 from splitserve.engine.sampling_params import SamplingParams
 
 
@@ -19,50 +20,6 @@ class SampleResult:
     token_id: int
     logprob: float | None = None
     top_n: dict[int, float] | None = None
-
-
-def adjust_logits(logits: torch.Tensor, params: SamplingParams, output_ids: Sequence[int]) -> torch.Tensor:
-    """One row [vocab] float32 -> a new row with `params`' logit bias added and its presence /
-    frequency penalties subtracted for the tokens of `output_ids` (the output so far), as
-    OpenAI defines them (`apply_adjustments`). Log-probs stay those of the model's own logits
-    ("raw") unless the engine reports processed ones."""
-    counts = output_counts([output_ids], logits.shape[-1], logits.device)
-    return apply_adjustments(logits[None], counts, [params])[0]
-
-
-def output_counts(outputs: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(outputs), vocab] float32: how often each token occurs in each row's output (negative
-    ids — run-ahead placeholders, engine/step_pipeline.py — are not counted). The ids reach a GPU
-    from pinned memory without waiting for the stream (steps may be queued on it)."""
-    counts = torch.zeros(len(outputs), vocab, dtype=torch.float32, device=device)
-    pairs = [(row, t) for row, ids in enumerate(outputs) for t in ids if t >= 0]
-    if pairs:
-        index = to_device(pairs, torch.long, device)
-        counts.index_put_((index[:, 0], index[:, 1]), torch.ones(len(pairs), device=device), accumulate=True)
-    return counts
-
-
-def apply_adjustments(logits: torch.Tensor, counts: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Rows [k, vocab] float32 -> new rows: logit[j] - (frequency * count[j] + presence * [count[j] > 0]),
-    then each row's logit bias added. One form for every path (a row adjusted alone on the host,
-    rows adjusted together at a step's launch), so the same row gives the same bits either way."""
-    floats = to_device([[p.frequency_penalty, p.presence_penalty] for p in params], torch.float32, logits.device)
-    x = logits - (floats[:, :1] * counts + floats[:, 1:] * (counts > 0).to(logits.dtype))
-    bias = [(row, t, b) for row, p in enumerate(params) for t, b in p.logit_bias]
-    if bias:
-        index = to_device([[row, t] for row, t, _ in bias], torch.long, logits.device)
-        values = to_device([b for _, _, b in bias], torch.float32, logits.device)
-        x.index_put_((index[:, 0], index[:, 1]), values, accumulate=True)
-    return x
-
-
-def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on `device`; to a GPU from pinned memory, queued on the stream (a copy
-    from pageable memory would wait for the steps already queued there)."""
-    host = torch.tensor(rows, dtype=dtype)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -90,10 +47,10 @@ def sample_row(
     preadjusted: bool = False,
 ) -> SampleResult:
     """logits [vocab] float32 -> the next token (and its log-probs when asked); `output_ids`:
-    the request's output so far, for its penalties (`adjust_logits`); `preadjusted`: the row's
+    the request's output so far, for its penalties (engine/logit_slots.py `adjust_once`); `preadjusted`: the row's
     adjustments are already in `logits` (engine/adjusted_rows.py)."""
     adjust = params.adjusts_logits and not preadjusted
-    scored = adjust_logits(logits, params, output_ids) if adjust else logits
+    scored = adjust_once(logits, params, output_ids) if adjust else logits
     if params.is_greedy:
         token = int(torch.argmax(scored))
         processed = scored if scored is not logits else None

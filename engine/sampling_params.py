@@ -111,7 +111,7 @@ class SamplingParams:
     @property
     def adjusts_logits(self) -> bool:
         """A logit bias or a penalty: the row is scored on the host from its own logits (never a
-        shared argmax or the batched device draw) — engine/sampler.py `adjust_logits`."""
+        shared argmax or the batched device draw) — engine/adjusted_rows.py."""
         return self._adjusts
 
     def max_new_tokens(self, prompt_len: int) -> int:

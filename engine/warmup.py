@@ -9,7 +9,9 @@ its first decode step 7.8 against 5.0 ms, embedded model). `warm_up` moves them 
 worker registers, so no client waits for them:
 
     for each batch size b of the decode graph buckets (CPU: 1 and 2):
-        b requests (greedy and seeded-sampled alternately; short distinct prompts)
+        b requests (greedy and seeded-sampled alternately; short distinct prompts; the first
+            of all with a penalty and a bias: the logit-adjustment kernel, with and without a
+            fed token)
         stepped to the end: prefill steps, then decode steps of exactly b rows
     GPU: one prompt longer than a step's token budget (a full chunk, then a chunk over its
         cached prefix: the eager prefill's kernels at their largest shapes)
@@ -127,11 +129,13 @@ def _run(engine) -> None:
 
 def _add(engine, i: int, prompt_len: int, new_tokens: int) -> str:
     """Prompt i: distinct token ids (no prefix hits between dummies), odd ones sampled with a seed
-    (the sampler's graphs and kernels), even ones greedy."""
+    (the sampler's graphs and kernels), even ones greedy; the first also penalized and biased
+    (engine/adjusted_rows.py: adjusted at a prefill's collect and at decode launches)."""
     vocab = engine.model_config.vocab_size
     prompt = [(i * 7919 + 13 * j + 1) % vocab for j in range(prompt_len)]
     sampled = {"temperature": 1.0, "top_p": 0.9, "seed": i} if i % 2 else {"temperature": 0.0}
-    params = SamplingParams(num_tokens_to_generate=new_tokens, ignore_eos=True, **sampled)
+    adjusted = {"frequency_penalty": 0.5, "logit_bias": {1: 0.5}} if i == 0 else {}
+    params = SamplingParams(num_tokens_to_generate=new_tokens, ignore_eos=True, **sampled, **adjusted)
     request_id = f"warm-up-{i}"
     engine.add_request(request_id, prompt, params)
     return request_id

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.engine.logit_adjustments import BIAS_RANGE, PENALTY_RANGE
 from splitserve.gateway.errors import bad_request
 
 MAX_N = 16
@@ -57,9 +58,9 @@ class SamplingFields(_Strict):
     stop: str | list[str] | None = Field(default=None, description=f"Up to {MAX_STOP} strings that end the output (not included).")
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+    presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
                                     description="Subtracted from the logits of tokens the output already holds.")
-    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0,
+    frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1],
                                      description="Subtracted once per occurrence of a token in the output so far.")
     logit_bias: dict[str, float] | None = Field(
         default=None, description=f"Token id (a string) → bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.")
@@ -87,8 +88,9 @@ class SamplingFields(_Strict):
             if not (key.isascii() and key.isdigit()):
                 raise bad_request(f"logit_bias keys must be token ids (non-negative integers as strings), got {key!r}",
                                   "logit_bias")  # fmt: skip
-            if not -100.0 <= bias <= 100.0:
-                raise bad_request(f"logit_bias values must be in [-100, 100], got {bias!r} for token {key}", "logit_bias")
+            if not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+                raise bad_request(f"logit_bias values must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {bias!r} "
+                                  f"for token {key}", "logit_bias")  # fmt: skip
         return value
 
     @property

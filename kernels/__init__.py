@@ -23,6 +23,7 @@ __all__ = [
     "DecodeWorkspace",
     "apply_rotary_qk",
     "apply_rotary_qk_and_write_kv",
+    "adjust_logit_rows",
     "argmax_rows",
     "decode_linear",
     "decode_linear_glu",
@@ -51,6 +52,7 @@ _LAZY = {
     "rms_norm": "norm",
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
+    "adjust_logit_rows": "logit_adjust",
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
     "decode_linear": "linear",
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
     from .linear import decode_linear, decode_linear_glu, decode_linear_partials
+    from .logit_adjust import adjust_logit_rows
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention

@@ -157,3 +157,40 @@ def test_on_a_gpu_with_graphs_and_run_ahead_the_tokens_equal_the_cpu_engine(chec
     on_gpu, ahead = run_batch(gpu, rows)
     assert (on_gpu[0], on_gpu[1]) == (cpu[0], cpu[1]) and sum(ahead) >= NEW - 4
     assert len(on_gpu[2]) == NEW and on_gpu[2] != on_gpu[3]  # drawn from adjusted logits (another RNG than the CPU's)
+
+
+class _Req:
+    """What engine/logit_slots.py reads of a request."""
+
+    def __init__(self, params, output):
+        self.params, self.output = params, output
+
+    def output_so_far(self):
+        return list(self.output)
+
+
+def test_slots_count_incrementally_recount_a_shorter_output_and_are_freed_with_their_request():
+    import gc
+
+    from splitserve.engine.logit_slots import LogitSlots
+
+    vocab, p = 50, SamplingParams(frequency_penalty=1.0, logit_bias={4: 3.0})
+    slots = LogitSlots(vocab, torch.device("cpu"))
+    reqs = [_Req(p, [1, 1, 2]) for _ in range(6)]  # more than the first allocation's 4 slots
+    logits = torch.zeros(6, vocab)
+    slots.adjust(logits, [(i, r, -1) for i, r in enumerate(reqs)], None)
+    assert slots.num_held == 6 and logits[0, 1].item() == -2.0 and logits[5, 4].item() == 3.0
+    reqs[0].output += [2, -1]  # one more id on the host, one still on the device (fed: 9)
+    logits = torch.zeros(1, vocab)
+    slots.adjust(logits, [(0, reqs[0], 0)], torch.tensor([9]))
+    assert (logits[0, 2].item(), logits[0, 9].item(), logits[0, 1].item()) == (-2.0, -1.0, -2.0)
+    with pytest.raises(RuntimeError, match="not fed"):
+        reqs[1].output += [-1]
+        slots.adjust(torch.zeros(1, vocab), [(0, reqs[1], 0)], None)
+    reqs[2].output = [7]  # shorter than what its slot counted: counted again from zero
+    logits = torch.zeros(1, vocab)
+    slots.adjust(logits, [(0, reqs[2], -1)], None)
+    assert logits[0].nonzero().flatten().tolist() == [4, 7] and logits[0, 7].item() == -1.0
+    del reqs
+    gc.collect()
+    assert slots.num_held == 0 and sorted(slots._free) == list(range(8))

@@ -53,6 +53,17 @@ def test_after_warm_up_the_engine_answers_as_a_fresh_one(llama_ckpt):
         assert b.num_cached_tokens == 0  # no prefix left by the dummies
 
 
+def test_warm_up_runs_the_logit_adjustment_with_and_without_a_fed_token(llama_ckpt, monkeypatch):
+    """Both compiled forms of the adjustment kernel (kernels/logit_adjust.py: a step launched ahead
+    feeds the previous token; a prefill's collect does not) run before the first client's."""
+    from splitserve.engine import logit_slots
+
+    fed, apply = [], logit_slots.apply
+    monkeypatch.setattr(logit_slots, "apply", lambda *args: fed.append(args[-1] is not None) or apply(*args))
+    warm_up(LLM(str(llama_ckpt), async_scheduling=True, **OPTIONS).engine, batches=(1, 2))
+    assert True in fed and False in fed
+
+
 def test_with_async_scheduling_no_dummy_output_reaches_the_first_real_step(llama_ckpt):
     """A step run ahead of the dummies' last tokens is collected by the warm-up itself: the first
     real step must not hand a dummy's output to the worker's callbacks (a prefill worker looks up
