@@ -228,7 +228,7 @@ def run_gpu(args) -> None:
     params = 128256 * 2048 + 16 * (2 * 2048 * 2048 + 2 * 512 * 2048 + 3 * 2048 * 8192)
     weight_bytes = 2 * params
     kv_per_token = 16 * 2 * 8 * 64 * 2
-    print(f"H200: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s, params {params / 1e9:.2f} B")
+    print(f"{torch.cuda.get_device_name()}: copy bandwidth {bw / 1e12:.2f} TB/s, bf16 matmul peak {peak / 1e12:.0f} TFLOP/s, params {params / 1e9:.2f} B")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp)
         make_checkpoint(path, cfg, torch.bfloat16, "cuda")

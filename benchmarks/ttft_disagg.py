@@ -13,7 +13,9 @@ shape with random bf16 weights, and drives them as the router does:
   KV and streamed. The prefill worker's own timing (queue, compute, first token sent,
   publish, handler) comes from that response.
 
-Prompts are fresh random tokens per request (no prefix-cache hits); medians over --reps.
+Prompts are fresh random tokens per request (no prefix-cache hits); medians over --reps, and
+the median (with quartiles) of each rep's own ratio — its two requests ran back to back, so
+drift between reps cancels in it.
 
     python3 benchmarks/device_env.py && PYTHONPATH=/tmp/site python3 benchmarks/ttft_disagg.py
 """
@@ -164,6 +166,10 @@ def main() -> None:
     print(f"prompt {args.tokens} tokens, transport {args.transport}, {args.reps} reps (medians)")
     print(f"{'TTFT aggregated ms':>20} {'TTFT disagg ms':>16} {'disagg/agg - 1':>15} {'decode ready ms':>16} {'ready/agg - 1':>14}")
     print(f"{a:>20.2f} {d:>16.2f} {d / a - 1:>+15.2%} {r:>16.2f} {r / a - 1:>+14.2%}")
+    paired = sorted(x / y - 1 for x, y in zip(dis, agg, strict=True))  # each rep's pair ran back to back
+    quart = statistics.quantiles(paired, n=4) if len(paired) >= 2 else [paired[0]] * 3
+    print(f"paired disagg/agg - 1 per rep: median {statistics.median(paired):+.2%}, quartiles {quart[0]:+.2%} / "
+          f"{quart[2]:+.2%}")
     q, c, f, pub, h = (statistics.median(x) for x in zip(*phases, strict=True))
     print(f"prefill worker's own timing (medians, ms): queue {q:.2f}  compute {c:.2f}  first token sent {f:.2f}  "
           f"publish {pub:.2f} (off the TTFT path)  handler {h:.2f}  -> outside the worker (gRPC, client) {d - f:.2f}")
