@@ -13,8 +13,8 @@ its rows produced since their last adjustment, and one kernel launch adjusts eve
 (kernels/logit_adjust.py; the same arithmetic in torch on the CPU).
 
     launch (decode-only step)           collect (steps with prefill chunks)
-    adjust_in_place(rows, fed)          adjust_in_place(rows not yet adjusted)
-    greedy rows: argmax into tokens     argmax / device draw / host draw from the adjusted rows
+    adjust rows (fed), greedy rows'     adjust_in_place(rows not yet adjusted), then
+      argmax into the step's tokens     argmax / device draw / host draw from the adjusted rows
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from collections.abc import Collection, Sequence
 
 import torch
 
-from splitserve.engine.devices import to_device
 from splitserve.engine.logit_slots import LogitSlots
 
 
@@ -49,7 +48,7 @@ def adjust_in_place(
     """Adjust logits row `rows[j]` for chunk `picked[j]`. `fed` [num chunks] (a step launched
     ahead): each chunk's previous token on the device, counted where its request's output ends
     in a placeholder."""
-    slots.adjust(logits, [(row, chunks[i].request, i) for row, i in zip(rows, picked, strict=True)], fed)
+    slots.adjust(logits, [(row, chunks[i].request, i, -1) for row, i in zip(rows, picked, strict=True)], fed)
 
 
 def adjust_at_launch(
@@ -61,9 +60,6 @@ def adjust_at_launch(
     picked = adjusted_rows(chunks)
     if not picked:
         return frozenset()
-    adjust_in_place(slots, logits, chunks, picked, picked, fed)
-    plain = [i for i in picked if chunks[i].request.params.is_greedy]
-    if plain:
-        at = to_device(plain, torch.long, logits.device)
-        tokens.index_copy_(0, at, logits.index_select(0, at).argmax(-1).to(tokens.dtype))
+    rows = [(i, chunks[i].request, i, i if chunks[i].request.params.is_greedy else -1) for i in picked]
+    slots.adjust(logits, rows, fed, tokens)  # (a greedy row's argmax taken in the same pass)
     return frozenset(picked)

@@ -24,7 +24,7 @@ import torch
 from splitserve import kernels
 from splitserve.engine.devices import to_device
 
-HEADER = 7  # kernels/logit_adjust.py's table header
+HEADER = 8  # kernels/logit_adjust.py's table header
 
 
 class LogitSlots:
@@ -39,12 +39,16 @@ class LogitSlots:
     def num_held(self) -> int:
         return len(self._held)
 
-    def adjust(self, logits: torch.Tensor, rows: Sequence[tuple[int, object, int]], fed: torch.Tensor | None) -> None:
-        """Adjust `logits` rows for (logit row, request, fed index or -1) in place. A request's
+    def adjust(
+        self, logits: torch.Tensor, rows: Sequence[tuple[int, object, int, int]], fed: torch.Tensor | None,
+        tokens: torch.Tensor | None = None,
+    ) -> None:
+        """Adjust `logits` rows for (logit row, request, fed index or -1, token index or -1) in
+        place; a row with a token index writes its adjusted argmax to `tokens` there. A request's
         output ending in a placeholder needs its fed index (RuntimeError otherwise)."""
         head: list[float] = []
         new: list[float] = []
-        for logit_row, req, fed_at in rows:
+        for logit_row, req, fed_at, token_at in rows:
             slot, ids, pending = self._advance(req)
             if pending and (fed is None or fed_at < 0):
                 raise RuntimeError("a request's last token is still on the device, but the step was not fed it")
@@ -52,9 +56,9 @@ class LogitSlots:
             start = len(new)
             new.extend(ids)
             head.extend((logit_row, slot, fed_at if pending else -1, params.frequency_penalty,
-                         params.presence_penalty, start, len(new)))  # fmt: skip
+                         params.presence_penalty, start, len(new), token_at))  # fmt: skip
         if head:
-            apply(logits, self.counts, self.bias, head + new, len(rows), fed)
+            apply(logits, self.counts, self.bias, head + new, len(rows), fed, tokens)
 
     def _advance(self, req) -> tuple[int, list[int], bool]:
         """The request's slot, its output ids not yet counted there, and whether the output ends
@@ -101,24 +105,26 @@ class LogitSlots:
 
 def apply(
     logits: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, table: list[float], num_rows: int,
-    fed: torch.Tensor | None = None,
+    fed: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
 ) -> None:
     """On a GPU one kernel launch after one copy of the table, elsewhere `apply_torch`."""
     if logits.is_cuda and kernels.triton_available():
-        kernels.adjust_logit_rows(logits, counts, bias, to_device(table, torch.float64, logits.device), num_rows, fed)
+        table_dev = to_device(table, torch.float64, logits.device)
+        kernels.adjust_logit_rows(logits, counts, bias, table_dev, num_rows, fed, tokens)
     else:
-        apply_torch(logits, counts, bias, torch.tensor(table, dtype=torch.float64, device=logits.device), num_rows, fed)
+        table_host = torch.tensor(table, dtype=torch.float64, device=logits.device)
+        apply_torch(logits, counts, bias, table_host, num_rows, fed, tokens)
 
 
 def apply_torch(
     logits: torch.Tensor, counts: torch.Tensor, bias: torch.Tensor, table: torch.Tensor, num_rows: int,
-    fed: torch.Tensor | None = None,
+    fed: torch.Tensor | None = None, tokens: torch.Tensor | None = None,
 ) -> None:
     """The kernel's arithmetic in torch, row by row (the CPU path and the kernel's reference)."""
     heads = table[: num_rows * HEADER].view(num_rows, HEADER)
     new = table[num_rows * HEADER :].long()
     for head in heads:
-        row, slot, fed_at, _, _, start, end = (int(v) for v in head.tolist())
+        row, slot, fed_at, _, _, start, end, token_at = (int(v) for v in head.tolist())
         freq, pres = head[3].to(torch.float32), head[4].to(torch.float32)
         ids = new[start:end]
         if fed_at >= 0:
@@ -127,6 +133,8 @@ def apply_torch(
         c = counts[slot]
         delta = bias[slot] - (freq * c + pres * (c > 0).to(torch.float32))
         logits[row] = (logits[row].to(torch.float32) + delta).to(logits.dtype)
+        if token_at >= 0:
+            tokens[token_at] = logits[row].argmax()
 
 
 def adjust_once(logits: torch.Tensor, params, output_ids: Sequence[int]) -> torch.Tensor:
@@ -139,5 +147,5 @@ def adjust_once(logits: torch.Tensor, params, output_ids: Sequence[int]) -> torc
         bias[0, token] = value
     row = logits[None].clone()
     ids = [t for t in output_ids if t >= 0]
-    apply(row, counts, bias, [0, 0, -1, params.frequency_penalty, params.presence_penalty, 0, len(ids), *ids], 1)
+    apply(row, counts, bias, [0, 0, -1, params.frequency_penalty, params.presence_penalty, 0, len(ids), -1, *ids], 1)
     return row[0]

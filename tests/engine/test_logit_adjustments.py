@@ -178,18 +178,18 @@ def test_slots_count_incrementally_recount_a_shorter_output_and_are_freed_with_t
     slots = LogitSlots(vocab, torch.device("cpu"))
     reqs = [_Req(p, [1, 1, 2]) for _ in range(6)]  # more than the first allocation's 4 slots
     logits = torch.zeros(6, vocab)
-    slots.adjust(logits, [(i, r, -1) for i, r in enumerate(reqs)], None)
+    slots.adjust(logits, [(i, r, -1, -1) for i, r in enumerate(reqs)], None)
     assert slots.num_held == 6 and logits[0, 1].item() == -2.0 and logits[5, 4].item() == 3.0
     reqs[0].output += [2, -1]  # one more id on the host, one still on the device (fed: 9)
     logits = torch.zeros(1, vocab)
-    slots.adjust(logits, [(0, reqs[0], 0)], torch.tensor([9]))
+    slots.adjust(logits, [(0, reqs[0], 0, -1)], torch.tensor([9]))
     assert (logits[0, 2].item(), logits[0, 9].item(), logits[0, 1].item()) == (-2.0, -1.0, -2.0)
     with pytest.raises(RuntimeError, match="not fed"):
         reqs[1].output += [-1]
-        slots.adjust(torch.zeros(1, vocab), [(0, reqs[1], 0)], None)
+        slots.adjust(torch.zeros(1, vocab), [(0, reqs[1], 0, -1)], None)
     reqs[2].output = [7]  # shorter than what its slot counted: counted again from zero
     logits = torch.zeros(1, vocab)
-    slots.adjust(logits, [(0, reqs[2], -1)], None)
+    slots.adjust(logits, [(0, reqs[2], -1, -1)], None)
     assert logits[0].nonzero().flatten().tolist() == [4, 7] and logits[0, 7].item() == -1.0
     del reqs
     gc.collect()

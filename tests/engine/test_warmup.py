@@ -59,7 +59,7 @@ def test_warm_up_runs_the_logit_adjustment_with_and_without_a_fed_token(llama_ck
     from splitserve.engine import logit_slots
 
     fed, apply = [], logit_slots.apply
-    monkeypatch.setattr(logit_slots, "apply", lambda *args: fed.append(args[-1] is not None) or apply(*args))
+    monkeypatch.setattr(logit_slots, "apply", lambda *args: fed.append(args[5] is not None) or apply(*args))
     warm_up(LLM(str(llama_ckpt), async_scheduling=True, **OPTIONS).engine, batches=(1, 2))
     assert True in fed and False in fed
 

@@ -1,6 +1,7 @@
 """The logit-adjustment kernel (kernels/logit_adjust.py) against its torch form
 (engine/logit_slots.py `apply_torch`) and against OpenAI's formula written densely, over steps that
-count new ids (repeated ones too) and fed tokens into per-slot counts."""
+count new ids (repeated ones too) and fed tokens into per-slot counts; greedy rows' argmax taken
+in the same pass (ties: the first index, as torch.argmax)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ pytest.importorskip("triton")
 from splitserve.engine.logit_slots import apply_torch  # noqa: E402
 from splitserve.kernels.logit_adjust import adjust_logit_rows  # noqa: E402
 
-VOCAB = 1500  # > one block of the vocabulary pass
+VOCAB = 17000  # three parts of the vocabulary (8192 each, the last one short)
 
 
 def dense(logits, freq, pres, bias, output_ids):
@@ -25,33 +26,41 @@ def test_the_kernel_equals_the_torch_form_and_the_formula_over_steps(device):
     g = torch.Generator().manual_seed(0)
     bias = torch.zeros(3, VOCAB)
     bias[0, [5, 9]] = torch.tensor([2.5, -1.0])
-    bias[2, 1499] = -100.0
-    # slot: (frequency, presence); rows of each step: (logit row, slot, new ids, fed token or None)
+    bias[2, 16999] = -100.0
+    # slot: (frequency, presence); rows of each step: (logit row, slot, new ids, fed token or None);
+    # rows 0 and 2 of a step are greedy (their argmax written to tokens[row])
     penalties = {0: (1.3, 0.7), 1: (0.5, 0.0), 2: (-0.25, 2.0)}
     long_ids = torch.randint(0, VOCAB, (1200,), generator=g).tolist()  # > one block of new ids, repeats
     steps = [
-        [(0, 0, [5, 7, 7, 11], None), (3, 2, long_ids, 1499)],
+        [(0, 0, [5, 7, 7, 11, 8200], None), (3, 2, long_ids, 16999)],
         [(1, 0, [], 7), (2, 1, [3, 3, 4], 4)],  # fed tokens: one already counted, one new to the slot
-        [(5, 1, [4], None), (0, 2, [], 1498)],
+        [(5, 1, [4, 12000], None), (0, 2, [], 16998)],
     ]
     outputs = {s: [] for s in penalties}
     ref_counts, ref_bias = torch.zeros(3, VOCAB), bias.clone()
     counts, bias_dev = ref_counts.clone().to(device), bias.clone().to(device)
     for rows in steps:
         logits = torch.randn(6, VOCAB, generator=g)
+        logits[0, [100, 1124, 9000]] = 50.0  # a tie (1124: 100's lane; 9000: another part): the first wins
         fed = torch.zeros(len(rows), dtype=torch.long)
+        want_tokens, got_tokens = torch.full((6,), -7), torch.full((6,), -7, device=device)
         head, new = [], []
         for r, (row, slot, ids, fed_token) in enumerate(rows):
             if fed_token is not None:
                 fed[r] = fed_token
-            head += [row, slot, r if fed_token is not None else -1, *penalties[slot], len(new), len(new) + len(ids)]
+            head += [row, slot, r if fed_token is not None else -1, *penalties[slot], len(new), len(new) + len(ids),
+                     row if row in (0, 2) else -1]  # fmt: skip
             new += ids
             outputs[slot] += ids + ([fed_token] if fed_token is not None else [])
         table = torch.tensor(head + new, dtype=torch.float64)
         want = logits.clone()
-        apply_torch(want, ref_counts, ref_bias, table, len(rows), fed)
+        apply_torch(want, ref_counts, ref_bias, table, len(rows), fed, want_tokens)
         got = logits.clone().to(device)
-        adjust_logit_rows(got, counts, bias_dev, table.to(device), len(rows), fed.to(device))
+        adjust_logit_rows(got, counts, bias_dev, table.to(device), len(rows), fed.to(device), got_tokens)
+        greedy = [row for row, *_ in rows if row in (0, 2)]
+        assert got_tokens.tolist() == want_tokens.tolist()
+        assert [want_tokens[r].item() for r in greedy] == [want[r].argmax().item() for r in greedy]
+        assert all(t == -7 for r, t in enumerate(want_tokens.tolist()) if r not in greedy)
         torch.testing.assert_close(got.cpu(), want, rtol=0, atol=1e-5)  # (a GPU may fuse a multiply-add)
         torch.testing.assert_close(counts.cpu(), ref_counts, rtol=0, atol=0)
         if device.type == "cpu":
@@ -69,7 +78,7 @@ def test_the_kernel_equals_the_torch_form_and_the_formula_over_steps(device):
 def test_bf16_logits_and_no_fed_tokens(device):
     counts, bias = torch.zeros(1, VOCAB), torch.zeros(1, VOCAB)
     bias[0, 3] = 1.0
-    table = torch.tensor([1, 0, -1, 0.5, 0.0, 0, 3, 3, 3, 8], dtype=torch.float64)
+    table = torch.tensor([1, 0, -1, 0.5, 0.0, 0, 3, -1, 3, 3, 8], dtype=torch.float64)
     logits = torch.zeros(2, VOCAB, dtype=torch.bfloat16)
     want = logits.clone()
     apply_torch(want, counts.clone(), bias, table, 1)
@@ -82,6 +91,6 @@ def test_bf16_logits_and_no_fed_tokens(device):
 def test_bad_arguments_are_refused(device):
     rows = torch.zeros(1, 4, device=device)
     with pytest.raises(ValueError, match="float64"):
-        adjust_logit_rows(rows, rows.clone(), rows.clone(), torch.zeros(7, device=device), 1)
+        adjust_logit_rows(rows, rows.clone(), rows.clone(), torch.zeros(8, device=device), 1)
     with pytest.raises(ValueError, match="counts must be float32"):
-        adjust_logit_rows(rows, torch.zeros(1, 5, device=device), rows, torch.zeros(7, dtype=torch.float64), 1)
+        adjust_logit_rows(rows, torch.zeros(1, 5, device=device), rows, torch.zeros(8, dtype=torch.float64), 1)
