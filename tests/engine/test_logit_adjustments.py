@@ -90,7 +90,9 @@ def test_sampled_and_log_prob_rows_with_adjustments_draw_alike_run_ahead_or_not(
     rows = [sampled(), sampled(**ADJUSTED), params(**ADJUSTED), sampled(presence_penalty=-1.0, top_k=20, seed=5)]
     runs = {}
     for ahead in (False, True):
-        runs[ahead] = run_batch(LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead), rows)
+        llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead)
+        runs[ahead] = run_batch(llm, rows)
+        assert llm.engine.runner.logit_slots.num_held == 0  # freed with their finished requests, no gc needed
     assert runs[True][0] == runs[False][0] and sum(runs[True][1]) >= NEW - 4
     assert runs[True][0][2] == reference(hf, PROMPT, NEW, 0.7, 1.3, params(**ADJUSTED).logit_bias)
     assert runs[True][0][1] != runs[True][0][0]  # the adjustments change the draws
