@@ -84,10 +84,7 @@ class LogitSlots:
         slot = self._free.pop()
         self.counts[slot].zero_()
         self.bias[slot].zero_()
-        if req.params.logit_bias:
-            tokens, values = zip(*req.params.logit_bias, strict=True)
-            self.bias[slot, to_device(list(tokens), torch.long, self.device)] = to_device(
-                list(values), torch.float32, self.device)  # fmt: skip
+        set_bias(self.bias[slot], req.params.logit_bias)
         weakref.finalize(req, self._release, id(req), slot)
         return slot
 
@@ -101,6 +98,13 @@ class LogitSlots:
         self.counts = torch.cat([self.counts, self.counts.new_zeros(size - old, self.vocab)])
         self.bias = torch.cat([self.bias, self.bias.new_zeros(size - old, self.vocab)])
         self._free.extend(range(size - 1, old - 1, -1))
+
+
+def set_bias(row: torch.Tensor, pairs: Sequence[tuple[int, float]]) -> None:
+    """Write (token, bias) pairs into a zeroed bias row: one copy of each list to the device."""
+    if pairs:
+        tokens, values = zip(*pairs, strict=True)
+        row[to_device(list(tokens), torch.long, row.device)] = to_device(list(values), torch.float32, row.device)
 
 
 def apply(
@@ -143,8 +147,7 @@ def adjust_once(logits: torch.Tensor, params, output_ids: Sequence[int]) -> torc
     vocab, device = logits.shape[-1], logits.device
     counts = torch.zeros(1, vocab, dtype=torch.float32, device=device)
     bias = torch.zeros(1, vocab, dtype=torch.float32, device=device)
-    for token, value in params.logit_bias:
-        bias[0, token] = value
+    set_bias(bias[0], params.logit_bias)
     row = logits[None].clone()
     ids = [t for t in output_ids if t >= 0]
     apply(row, counts, bias, [0, 0, -1, params.frequency_penalty, params.presence_penalty, 0, len(ids), -1, *ids], 1)
