@@ -24,7 +24,7 @@ import torch
 from splitserve import kernels
 from splitserve.engine.devices import to_device
 
-HEADER = 8  # kernels/logit_adjust.py's table header
+HEADER = 8  # kernels/logit_adjust.py's table header (that module needs triton; a test checks they agree)
 
 
 class LogitSlots:
@@ -49,9 +49,7 @@ class LogitSlots:
         head: list[float] = []
         new: list[float] = []
         for logit_row, req, fed_at, token_at in rows:
-            slot, ids, pending = self._advance(req)
-            if pending and (fed is None or fed_at < 0):
-                raise RuntimeError("a request's last token is still on the device, but the step was not fed it")
+            slot, ids, pending = self._advance(req, fed is not None and fed_at >= 0)
             params = req.params
             start = len(new)
             new.extend(ids)
@@ -60,9 +58,10 @@ class LogitSlots:
         if head:
             apply(logits, self.counts, self.bias, head + new, len(rows), fed, tokens)
 
-    def _advance(self, req) -> tuple[int, list[int], bool]:
+    def _advance(self, req, can_feed: bool) -> tuple[int, list[int], bool]:
         """The request's slot, its output ids not yet counted there, and whether the output ends
-        in a placeholder (to be counted from the fed ids)."""
+        in a placeholder (to be counted from the fed ids; RuntimeError when `can_feed` is false,
+        before anything is marked counted)."""
         held = self._held.get(id(req))
         if held is None:
             held = self._held[id(req)] = [self._take(req), 0]
@@ -71,11 +70,13 @@ class LogitSlots:
             self.counts[held[0]].zero_()
             held[1] = 0
         new = output[held[1] :]
-        held[1] = len(output)
         pending = bool(new) and new[-1] < 0
         ids = new[:-1] if pending else new
+        if pending and not can_feed:
+            raise RuntimeError("a request's last token is still on the device, but the step was not fed it")
         if any(t < 0 for t in ids):
             raise RuntimeError("a request's output holds a placeholder before its last token")
+        held[1] = len(output)
         return held[0], ids, pending
 
     def _take(self, req) -> int:

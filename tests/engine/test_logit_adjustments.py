@@ -189,6 +189,9 @@ def test_slots_count_incrementally_recount_a_shorter_output_and_are_freed_with_t
     with pytest.raises(RuntimeError, match="not fed"):
         reqs[1].output += [-1]
         slots.adjust(torch.zeros(1, vocab), [(0, reqs[1], 0, -1)], None)
+    logits = torch.zeros(1, vocab)
+    slots.adjust(logits, [(0, reqs[1], 0, -1)], torch.tensor([1]))  # the refused step marked nothing counted
+    assert logits[0, 1].item() == -3.0
     reqs[2].output = [7]  # shorter than what its slot counted: counted again from zero
     logits = torch.zeros(1, vocab)
     slots.adjust(logits, [(0, reqs[2], -1, -1)], None)

@@ -10,7 +10,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from splitserve.engine.logit_slots import apply_torch  # noqa: E402
+from splitserve.engine.logit_slots import HEADER, apply_torch  # noqa: E402
+from splitserve.kernels.logit_adjust import HEADER as KERNEL_HEADER  # noqa: E402
 from splitserve.kernels.logit_adjust import adjust_logit_rows  # noqa: E402
 
 VOCAB = 17000  # three parts of the vocabulary (8192 each, the last one short)
@@ -86,6 +87,10 @@ def test_bf16_logits_and_no_fed_tokens(device):
     adjust_logit_rows(got, counts.to(device), bias.to(device), table.to(device), 1)
     assert torch.equal(got.cpu(), want)
     assert (want[1, 3].item(), want[1, 8].item(), want[0].abs().sum().item()) == (0.0, -0.5, 0.0)
+
+
+def test_the_engine_builds_the_header_the_kernel_reads():
+    assert HEADER == KERNEL_HEADER
 
 
 def test_bad_arguments_are_refused(device):
