@@ -13,11 +13,14 @@ Runs our engine on the Llama-3.2-1B shape (random bf16 weights, see
   under PDL the spans overlap, see the note printed with the table).
 
 - with `--adjusted N`, N requests of each batch carry a frequency penalty and a logit bias
-  (sampled from their own logits on the host; their batch is not run ahead): the step time it
-  costs every request beside them.
+  (adjusted on the device at launch: engine/adjusted_rows.py): the step time it costs every
+  request beside them.
+- with `--logprobs N`, N requests of each batch want their tokens' log-probs and the top 5
+  (computed on the device at launch: engine/step_logprobs.py), likewise.
 
     python benchmarks/decode_profile.py --batches 1,64 [--profile] [--replay-kernels] [--option KEY=VALUE]
     python benchmarks/decode_profile.py --batches 64 --adjusted 0,1    # the cost of one penalized request
+    python benchmarks/decode_profile.py --batches 64 --logprobs 0,1,64 # ... of requests that want log-probs
 """
 
 from __future__ import annotations
@@ -113,16 +116,19 @@ def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
     return _table(prof)
 
 
-def generate(llm, prompts, params, adjusted: int):
+def generate(llm, prompts, params, adjusted: int, logprobs: int = 0):
     """`llm.generate(prompts, params)`, the first `adjusted` requests with a frequency penalty and a
-    logit bias added (engine requests: one SamplingParams per request)."""
-    if not adjusted:
+    logit bias added, the last `logprobs` wanting log-probs and the top 5 (engine requests: one
+    SamplingParams per request)."""
+    if not adjusted and not logprobs:
         return llm.generate(prompts, params)
     from dataclasses import replace
 
     engine, done = llm.engine, {}
     for i, prompt in enumerate(prompts):
         extra = dict(frequency_penalty=0.5, logit_bias={13: 0.5}) if i < adjusted else {}
+        if i >= len(prompts) - logprobs:
+            extra.update(return_log_probs=True, skip_prompt_log_probs=True, top_n_logprobs=5)
         engine.add_request(f"adj{i}", prompt, replace(params, **extra))
     snapshot, engine.snapshot_outputs = engine.snapshot_outputs, False  # as `LLM.generate` runs it
     try:
@@ -149,6 +155,8 @@ def main() -> None:
     p.add_argument("--option", action="append", default=[], help="engine option KEY=VALUE (repeatable)")
     p.add_argument("--adjusted", default="0", metavar="N[,N...]",
                    help="requests per batch with a frequency penalty and a logit bias (one row per value)")
+    p.add_argument("--logprobs", default="0", metavar="N[,N...]",
+                   help="requests per batch that want log-probs and the top 5 (one row per value)")
     args = p.parse_args()
     extra = {}
     for item in args.option:
@@ -168,15 +176,16 @@ def main() -> None:
         llm = LLM(str(path), device="cuda", block_size_tokens=16, buffer_size_gb=20, max_tokens=32768,
                   max_requests=128, **extra)
         rows = []
-        cases = [(int(b), int(a)) for b in args.batches.split(",") for a in args.adjusted.split(",")]
-        for batch, adjusted in cases:
+        cases = [(int(b), int(a), min(int(n), int(b))) for b in args.batches.split(",")
+                 for a in args.adjusted.split(",") for n in args.logprobs.split(",")]
+        for batch, adjusted, logprobs in cases:
             g = torch.Generator().manual_seed(1)
             prompts = [torch.randint(10, 1000, (512,), generator=g).tolist() for _ in range(batch)]
             how = dict(temperature=0.0)
             if args.sample:
                 t, k, top_p = args.sample.split(",")
                 how = dict(temperature=float(t), top_k=int(k), top_p=float(top_p), seed=7)
-            generate(llm, prompts, SamplingParams(num_tokens_to_generate=4, ignore_eos=True, **how), adjusted)
+            generate(llm, prompts, SamplingParams(num_tokens_to_generate=4, ignore_eos=True, **how), adjusted, logprobs)
             timings = []
             for new in (1, args.new_tokens):
                 llm.engine.pool.reset_prefix_cache()
@@ -185,7 +194,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if prof:
                     prof.enable()
-                res = generate(llm, prompts, SamplingParams(num_tokens_to_generate=new, ignore_eos=True, **how), adjusted)
+                res = generate(llm, prompts, SamplingParams(num_tokens_to_generate=new, ignore_eos=True, **how), adjusted,
+                               logprobs)
                 torch.cuda.synchronize()
                 if prof:
                     prof.disable()
@@ -199,7 +209,7 @@ def main() -> None:
             replay = replay_time(llm, batch)
             step_bytes = 2 * params + batch * (512 + args.new_tokens / 2) * kv_per_token
             roof_step = step_bytes / bw
-            rows.append((batch, adjusted, step, replay, roof_step))
+            rows.append((batch, adjusted, logprobs, step, replay, roof_step))
             if args.replay_kernels:
                 print(f"--- kernels inside 20 replays of the batch-{batch} decode graph ---")
                 print(replay_kernel_table(llm, batch))
@@ -209,10 +219,10 @@ def main() -> None:
                 print(f"--- cProfile, batch {batch} (profiled run; overhead inflates times) ---")
                 print(s.getvalue()[:6000])
         print(f"copy bandwidth {bw / 1e12:.2f} TB/s")
-        print(f"{'batch':>5} {'adjusted':>8} {'step ms':>8} {'replay ms':>10} {'roofline ms':>12} {'step/roof':>10} "
-              f"{'replay/roof':>12}")
-        for batch, adjusted, step, replay, roof in rows:
-            print(f"{batch:>5} {adjusted:>8} {step * 1e3:>8.3f} {replay * 1e3:>10.3f} {roof * 1e3:>12.3f} "
+        print(f"{'batch':>5} {'adjusted':>8} {'logprobs':>8} {'step ms':>8} {'replay ms':>10} {'roofline ms':>12} "
+              f"{'step/roof':>10} {'replay/roof':>12}")
+        for batch, adjusted, logprobs, step, replay, roof in rows:
+            print(f"{batch:>5} {adjusted:>8} {logprobs:>8} {step * 1e3:>8.3f} {replay * 1e3:>10.3f} {roof * 1e3:>12.3f} "
                   f"{roof / step:>10.1%} {roof / replay:>12.1%}")
 
 

@@ -1,8 +1,10 @@
 """Which rows of a step are drawn by the batched device sampler (kernels/sampling.py).
 
-On CUDA, every sampled row (temperature > 0) that needs no log-probs is drawn in
-one batched call instead of one `torch.multinomial` (and its host sync) per
-row; rows that need log-probs keep the host sampler. The seed of a row is the
+On CUDA, every sampled row (temperature > 0) is drawn in one batched call
+instead of one `torch.multinomial` (and its host sync) per row — also rows
+that want the log-probs of the model's own logits, computed beside the draw
+(engine/step_logprobs.py); rows that want processed log-probs, or log-probs
+with a logit bias / penalties, keep the host sampler. The seed of a row is the
 runner's per-(request, position) seed, so a draw depends only on the request's
 seed and the token's position.
 
@@ -20,12 +22,14 @@ from collections.abc import Callable, Collection, Sequence
 import torch
 
 from splitserve.engine.devices import to_device
+from splitserve.engine.step_logprobs import on_device, wants_logprobs
 
 
-def draws_without_logprobs(params) -> bool:
-    """A sampled row whose token alone is wanted: the batched sampler may draw it (a row with a
-    logit bias or penalties from its logits adjusted in place first: engine/adjusted_rows.py)."""
-    return not params.is_greedy and not params.return_log_probs and not params.top_n_logprobs
+def device_draws(params, logprobs_mode: str) -> bool:
+    """A sampled row the batched sampler may draw: its token alone is wanted (a row with a logit
+    bias or penalties from its logits adjusted in place first: engine/adjusted_rows.py), or
+    also log-probs the device computes beside the draw (engine/step_logprobs.py)."""
+    return not params.is_greedy and (not wants_logprobs(params) or on_device(params, logprobs_mode))
 
 
 def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:
@@ -42,7 +46,7 @@ def draw_rows(
     picked: Sequence[int],
 ) -> torch.Tensor:
     """Tokens [len(picked)] int64 on the logits' device for chunks `picked` (each must satisfy
-    `draws_without_logprobs`), drawn from the last row of each one's span; no host sync."""
+    `device_draws`), drawn from the last row of each one's span; no host sync."""
     from splitserve import kernels
 
     reqs = [chunks[i].request for i in picked]
@@ -54,27 +58,28 @@ def draw_rows(
                                max_top_k=max_top_k, any_top_p=any_top_p, top_p_within_top_k=within)
 
 
-def sampled_rows(chunks, skip: Collection[int] = ()) -> list[int]:
-    """The chunks of a step (but `skip`) that sample a token without log-probs."""
+def sampled_rows(chunks, logprobs_mode: str, skip: Collection[int] = ()) -> list[int]:
+    """The chunks of a step (but `skip`) whose token may be drawn apart from their log-probs
+    (`device_draws`)."""
     return [i for i, chunk in enumerate(chunks)
-            if i not in skip and chunk.is_sample and draws_without_logprobs(chunk.request.params)]
+            if i not in skip and chunk.is_sample and device_draws(chunk.request.params, logprobs_mode)]
 
 
-def device_drawable(chunks, logits: torch.Tensor, skip: Collection[int] = ()) -> list[int]:
+def device_drawable(chunks, logits: torch.Tensor, logprobs_mode: str, skip: Collection[int] = ()) -> list[int]:
     """The chunks of a step the batched device sampler draws: none off CUDA or without Triton."""
     from splitserve import kernels
 
     if not logits.is_cuda or not kernels.triton_available():
         return []
-    return sampled_rows(chunks, skip)
+    return sampled_rows(chunks, logprobs_mode, skip)
 
 
 def draw_on_device(
     chunks, logits: torch.Tensor, spans: list[tuple[int, int]], row_seed: Callable[[object], int],
-    skip: Collection[int] = (),
+    logprobs_mode: str, skip: Collection[int] = (),
 ) -> dict[int, int]:
     """{chunk index: token} for the rows this sampler takes (but `skip`); empty off CUDA."""
-    picked = device_drawable(chunks, logits, skip)
+    picked = device_drawable(chunks, logits, logprobs_mode, skip)
     if not picked:
         return {}
     tokens = draw_rows(chunks, logits, spans, row_seed, picked)

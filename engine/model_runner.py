@@ -31,6 +31,8 @@ from splitserve.engine.parallel import ParallelState
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.step_logprobs import StepLogprobs, device_index, on_device, wants_logprobs
+from splitserve.engine.step_logprobs import compute as compute_logprobs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -84,10 +86,12 @@ class PendingStep:
     greedy: torch.Tensor | None = None
     greedy_host: torch.Tensor | None = None
     drawn: frozenset[int] = frozenset()
-    adjusted: frozenset[int] = frozenset()
-    """Rows whose logit bias / penalties are already in `logits` (engine/adjusted_rows.py)."""
     """Sampled rows already drawn at launch: their tokens stand in `greedy` in place of the
     argmax, so the step can be fed forward like a greedy one (`_draw_at_launch`)."""
+    adjusted: frozenset[int] = frozenset()
+    """Rows whose logit bias / penalties are already in `logits` (engine/adjusted_rows.py)."""
+    logprobs: StepLogprobs | None = None
+    """Log-probs of the rows that want them, computed at launch (engine/step_logprobs.py)."""
     ready: torch.cuda.Event | None = None
     layer_marks: Callable[[], None] | None = None
     """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
@@ -237,7 +241,7 @@ class ModelRunner:
             self.ps.send_next(hidden)
             return PendingStep(out)
         if self.ps.is_driver and inputs.meta.is_decode_only and not any(
-            c.request.wants_prompt_log_probs for c in out.chunks
+            c.request.wants_prompt_log_probs and c.start < c.request.prompt_len for c in out.chunks
         ):
             logits = self.model.compute_logits(hidden)
             return self._decode_pending(out, logits, greedy_ids(logits, self._triton_argmax), fed=fed)
@@ -252,18 +256,37 @@ class ModelRunner:
         `collect` waits for this step only, not for a later one queued behind it."""
         greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
         adjusted = drawn = frozenset()
+        logprobs = None
         if self.ps.is_driver:
             adjusted = adjust_at_launch(self.logit_slots, out.chunks, logits, greedy, fed)
             drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
             drawn |= {i for i in adjusted if out.chunks[i].request.params.is_greedy}
+            logprobs = self._logprobs_at_launch(out, logits, greedy, drawn)
+        step = PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted,
+                           logprobs=logprobs)
         if greedy.device.type != "cuda":
-            return PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted)
+            return step
         host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
         host.copy_(greedy, non_blocking=True)
         ready = torch.cuda.Event()
         ready.record()
-        return PendingStep(out, logits=logits, greedy=greedy, greedy_host=host, ready=ready, drawn=drawn,
-                           adjusted=adjusted)
+        return replace(step, greedy_host=host, ready=ready)
+
+    def _logprobs_at_launch(
+        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, drawn: frozenset[int]
+    ) -> StepLogprobs | None:
+        """Log-probs of a decode step's rows whose tokens `tokens` holds now (row i = chunk i:
+        greedy rows' argmax, drawn rows' draws), computed before a later replay of the same graph
+        can overwrite `logits` (engine/step_logprobs.py)."""
+        mode = self.config.logprobs_mode
+        picked = [i for i, chunk in enumerate(out.chunks)
+                  if chunk.is_sample and on_device(chunk.request.params, mode)
+                  and (chunk.request.params.is_greedy or i in drawn)]
+        if not picked:
+            return None
+        index = None if len(picked) == len(tokens) else device_index(picked, tokens.device)
+        return compute_logprobs(logits, picked, index, tokens if index is None else tokens.index_select(0, index),
+                                [out.chunks[i].request.params.top_n_logprobs for i in picked])
 
     def _draw_at_launch(
         self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False,
@@ -278,7 +301,7 @@ class ModelRunner:
         position changes between launch and collect. `graphed`: the logits are the decode graph's
         buffer, so a captured sampler graph may draw them (engine/sampler_graphs.py)."""
         if tokens.is_cuda:
-            picked = device_drawable(out.chunks, logits)
+            picked = device_drawable(out.chunks, logits, self.config.logprobs_mode)
             if not picked:
                 return frozenset()
             drawn = self.graphs.draw(out.chunks, picked, self.row_seed) if graphed else None
@@ -288,10 +311,9 @@ class ModelRunner:
             if len(picked) == len(tokens):
                 tokens.copy_(drawn)
             else:
-                index = torch.tensor(picked, dtype=torch.long).pin_memory().to(tokens.device, non_blocking=True)
-                tokens.index_copy_(0, index, drawn)
+                tokens.index_copy_(0, device_index(picked, tokens.device), drawn)
             return frozenset(picked)
-        picked = sampled_rows(out.chunks)
+        picked = sampled_rows(out.chunks, self.config.logprobs_mode)
         for i in picked:
             req = out.chunks[i].request
             tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode,
@@ -309,7 +331,8 @@ class ModelRunner:
                 if step.ready is not None:
                     step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
-                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted)
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted,
+                                              step.logprobs)
             elif step.hidden is not None:
                 results = self._sample(step.out, step.hidden)
         return self.ps.broadcast_from_driver(results)
@@ -332,11 +355,14 @@ class ModelRunner:
     def _sample_logits(
         self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
         drawn: frozenset[int] = frozenset(), adjusted: frozenset[int] = frozenset(),
+        logprobs: StepLogprobs | None = None,
     ) -> list[ChunkResult]:
         """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
         `greedy`: their argmax when the step already computed it (a CUDA graph), with the
         tokens of the `drawn` chunks' rows drawn at launch in place of theirs; `adjusted`: rows
-        whose bias / penalties are already in `logits` (the others are adjusted here first)."""
+        whose bias / penalties are already in `logits` (the others are adjusted here first);
+        `logprobs`: rows' log-probs computed at launch (the others that qualify are computed
+        here the same way: engine/step_logprobs.py)."""
         if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
             late = adjusted_rows(out.chunks, skip=adjusted)
             if late:
@@ -346,17 +372,28 @@ class ModelRunner:
         if greedy is None and logits is not None:
             greedy = greedy_ids(logits, self._triton_argmax)
         greedy = greedy.tolist() if greedy is not None else []
-        drawn_now = draw_on_device(out.chunks, logits, spans, self.row_seed, drawn) if logits is not None else {}
+        mode = self.config.logprobs_mode
+        drawn_now = draw_on_device(out.chunks, logits, spans, self.row_seed, mode, drawn) if logits is not None else {}
+        lps = logprobs.read() if logprobs is not None else {}
+        if logits is not None:
+            late = [i for i, chunk in enumerate(out.chunks)
+                    if i not in lps and chunk.is_sample and on_device(chunk.request.params, mode)
+                    and (chunk.request.params.is_greedy or i in drawn or i in drawn_now)]
+            if late:
+                tokens = [drawn_now[i] if i in drawn_now else greedy[spans[i][1] - 1] for i in late]
+                lps.update(compute_logprobs(logits, late, device_index([spans[i][1] - 1 for i in late], logits.device),
+                                            device_index(tokens, logits.device),
+                                            [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
         results = []
         for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
             sample = None
             params = req.params
-            if i in drawn or (chunk.is_sample and params.is_greedy and not params.return_log_probs
-                              and not params.top_n_logprobs and (not params.adjusts_logits or i in adjusted)):
-                sample = SampleResult(greedy[last - 1])
+            if i in drawn or (chunk.is_sample and params.is_greedy and (i in lps or not wants_logprobs(params))
+                              and (not params.adjusts_logits or i in adjusted)):
+                sample = SampleResult(greedy[last - 1], *lps.get(i, (None, None)))
             elif i in drawn_now:
-                sample = SampleResult(drawn_now[i])
+                sample = SampleResult(drawn_now[i], *lps.get(i, (None, None)))
             elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
                                     req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted)

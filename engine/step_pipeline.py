@@ -15,9 +15,11 @@ prefix-cache registration (which hashes token ids) waits for the real token.
 Scheduling ahead is safe only when it cannot change which requests run, so
 `Engine.step` keeps a step in flight only when
 
-- it is decode-only, every running request is in it, and none wants log-probs:
-  each row's token is then already on the device — the argmax the step computed,
-  or for a sampled row the draw queued right behind it (`ModelRunner._draw_at_launch`);
+- it is decode-only, every running request is in it, and each row's token is
+  already on the device — the argmax the step computed, or for a sampled row the
+  draw queued right behind it (`ModelRunner._draw_at_launch`) — and so are the
+  log-probs of each row that wants them (engine/step_logprobs.py; not for rows
+  with a logit bias or penalties, nor sampled rows' processed log-probs);
 - nothing waits for admission and the pool has a free block for each request
   (no preemption can hit a request that holds a placeholder);
 - the engine is one rank, not a prefill engine (prefill requests end after one
@@ -54,6 +56,7 @@ def can_run_ahead(engine, out, pending) -> bool:
     if sched.waiting or not out.chunks:
         return False
     alive = 0
+    logprob_rows = frozenset(pending.logprobs.chunks) if pending.logprobs is not None else frozenset()
     for i, chunk in enumerate(out.chunks):
         req = chunk.request
         if req.status.is_finished:
@@ -62,7 +65,9 @@ def can_run_ahead(engine, out, pending) -> bool:
         params = req.params
         if chunk.num_tokens != 1 or not chunk.is_sample:
             return False
-        if params.return_log_probs or params.top_n_logprobs or not (params.is_greedy or i in pending.drawn):
+        if not (params.is_greedy or i in pending.drawn) or (
+            (params.return_log_probs or params.top_n_logprobs) and i not in logprob_rows
+        ):
             return False
     return alive > 0 and alive == len(sched.running) and engine.pool.num_available >= alive
 

@@ -60,7 +60,7 @@ def _run(ckpt, prompts, params, **options):
         # a sampled request among greedy ones: drawn at launch, it runs ahead with them
         [SamplingParams(num_tokens_to_generate=12, temperature=0.8, seed=4, ignore_eos=True)]
         + [SamplingParams(num_tokens_to_generate=12, temperature=0.0, ignore_eos=True)] * 5,
-        # log-probs are computed from the logits at collect: such a step is not run ahead
+        # a sampled request with log-probs among sampled ones (engine/step_logprobs.py)
         [SamplingParams(num_tokens_to_generate=7, temperature=0.8, seed=5, ignore_eos=True, return_log_probs=True)]
         + [SamplingParams(num_tokens_to_generate=9, temperature=0.7, top_k=20, seed=6, ignore_eos=True)] * 5,
     ],
@@ -108,6 +108,95 @@ def test_sampled_decode_runs_ahead_on_the_gpu_with_the_plain_engines_tokens(llam
     assert llm.engine.runner.graphs._last.sampler._draws  # the draws did come from sampler graphs
     assert sum(llm.ahead_steps) >= 16, llm.ahead_steps
     assert llm.engine.runner.graphs is not None
+
+
+def _log_prob_params(n: int = 11) -> list[SamplingParams]:
+    return [
+        SamplingParams(num_tokens_to_generate=n, temperature=0.0, ignore_eos=True, return_log_probs=True),
+        SamplingParams(num_tokens_to_generate=n + 2, temperature=0.0, ignore_eos=True, top_n_logprobs=3),
+        SamplingParams(num_tokens_to_generate=n - 1, temperature=0.9, top_k=40, seed=7, ignore_eos=True,
+                       return_log_probs=True, top_n_logprobs=2),
+        SamplingParams(num_tokens_to_generate=n, temperature=0.0, ignore_eos=True),
+    ]
+
+
+def _log_probs_run(ckpt, prompts, params, **options):
+    """Tokens, log-probs and top-N of each request; `llm.ahead_steps` as in `_run`."""
+    llm = LLM(str(ckpt), **{**OPTIONS, **options})
+    engine = llm.engine
+    llm.ahead_steps = _count_run_ahead(engine)
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(f"r{i}", prompt, p)
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                final[out.request_id] = out.result
+    assert engine.pool.num_available == engine.pool.num_blocks
+    results = [final[f"r{i}"] for i in range(len(prompts))]
+    return llm, [(r.generated_tokens, r.generated_log_probs, r.top_n_logprobs) for r in results]
+
+
+def _assert_same(ahead, plain, atol: float = 1e-5) -> None:
+    """Same tokens and top-N ids; log-probs within 1e-5 (a step run ahead still computes a row
+    that finished a step earlier, and a CPU matmul over more rows may round its last bit
+    differently)."""
+    for (tokens, lps, tops), (tokens_p, lps_p, tops_p) in zip(ahead, plain, strict=True):
+        assert tokens == tokens_p
+        assert (lps is None) == (lps_p is None) and (tops is None) == (tops_p is None)
+        if lps is not None:
+            assert torch.allclose(torch.tensor(lps), torch.tensor(lps_p), atol=atol, rtol=0)
+        for top, top_p in zip(tops or (), tops_p or (), strict=True):
+            assert list(top) == list(top_p)
+            assert torch.allclose(torch.tensor(list(top.values())), torch.tensor(list(top_p.values())), atol=atol, rtol=0)
+
+
+def test_log_prob_requests_run_ahead_with_the_plain_engines_log_probs(llama_ckpt):
+    """Greedy rows and device-drawn sampled rows (raw log-probs) have their log-probs computed at
+    launch, so their decode steps stay in flight; every value equals the plain engine's."""
+    prompts, params = _prompts(4, seed=4), _log_prob_params()
+    _, plain = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=False)
+    llm, ahead = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=True)
+    _assert_same(ahead, plain)
+    assert sum(llm.ahead_steps) >= 8, llm.ahead_steps
+    greedy_lp, top3, sampled, _ = plain
+    assert len(greedy_lp[1]) == 11 and all(lp < 0 for lp in greedy_lp[1])
+    assert top3[1] is None and len(top3[2]) == 13 and all(len(t) == 3 for t in top3[2])
+    for tokens, log_probs, tops in [sampled]:  # the drawn token's log-prob, and its top-2 beside it
+        assert len(log_probs) == len(tokens) == len(tops) == 10
+        assert all(lp <= max(top.values()) + 1e-6 for lp, top in zip(log_probs, tops, strict=True))
+    # a greedy token is the top-1 entry, with the same log-prob
+    assert all(max(top, key=top.get) == tok for tok, top in zip(top3[0], top3[2], strict=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device sampler and CUDA graphs need a GPU")
+def test_log_prob_requests_run_ahead_on_the_gpu(llama_ckpt):
+    """Decode graphs, the device sampler and its graphs: log-probs at launch equal the plain
+    engine's, and the greedy rows' equal the CPU engine's (fp32)."""
+    prompts, params = _prompts(4, seed=4), _log_prob_params(20)
+    gpu = dict(device="cuda", enable_cuda_graphs=True, block_size_tokens=16, num_blocks=64, dtype="float32")
+    _, plain = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=False, **gpu)
+    llm, ahead = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=True, **gpu)
+    _assert_same(ahead, plain)
+    assert sum(llm.ahead_steps) >= 16, llm.ahead_steps
+    _, cpu = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=False)
+    greedy = [0, 1, 3]
+    _assert_same([ahead[i] for i in greedy], [cpu[i] for i in greedy], atol=1e-4)  # GPU vs CPU sums
+
+
+def test_processed_log_probs_of_sampled_rows_keep_the_host_sampler(llama_ckpt):
+    """Processed log-probs of a sampled row come from the host sampler at collect: such a
+    request's steps are not run ahead, and results equal the plain engine's."""
+    prompts, params = _prompts(4, seed=4), _log_prob_params(6)
+    options = dict(logprobs_mode="processed_logprobs")
+    _, plain = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=False, **options)
+    llm, ahead = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=True, **options)
+    _assert_same(ahead, plain)
+    assert not any(llm.ahead_steps[:5])  # while the sampled request runs (4 decode steps): none ahead
+    without = [p for i, p in enumerate(params) if i != 2]
+    llm, _ = _log_probs_run(llama_ckpt, [p for i, p in enumerate(prompts) if i != 2], without,
+                            async_scheduling=True, **options)
+    assert sum(llm.ahead_steps) >= 4  # greedy rows' log-probs are raw = processed: run ahead
 
 
 def test_async_scheduling_keeps_steps_in_flight_and_aborts_cleanly(llama_ckpt):

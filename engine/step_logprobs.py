@@ -1,0 +1,96 @@
+"""Log-probs of a step's sampled rows computed on the device, beside the tokens, without a host
+sync per row — so a decode step whose requests want log-probs can still run ahead
+(engine/step_pipeline.py).
+
+A row qualifies when its log-probs are those of the model's own logits and its token is known on
+the device at launch: a greedy row (its argmax), or a sampled row drawn by the batched device
+sampler (engine/device_sampler.py) in `raw_logprobs` mode. Rows with a logit bias or penalties
+(their raw logits are adjusted in place for the draw: engine/adjusted_rows.py) and sampled rows
+in `processed_logprobs` mode (log-probs of the temperature / top-k / top-p logits) keep the host
+sampler (engine/sampler.py `sample_row`), and their steps are not run ahead.
+
+For the picked rows, at once: their log-softmax, the chosen token's entry and the top N
+(N = the most any row asks; each row keeps its own first N) — a few launches over [rows, vocab]
+on the device, then small copies to pinned host memory that the step's `ready` event covers. The same function serves steps that collect on the spot
+(prefill chunks, a plain engine), so a request's log-probs do not depend on whether its
+steps ran ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def wants_logprobs(params) -> bool:
+    return bool(params.return_log_probs or params.top_n_logprobs)
+
+
+def on_device(params, logprobs_mode: str) -> bool:
+    """Log-probs this module computes for a row whose token is known on the device: the model's
+    own logits (no bias / penalties), and for a sampled row only in `raw_logprobs` mode."""
+    return (wants_logprobs(params) and not params.adjusts_logits
+            and (params.is_greedy or logprobs_mode == "raw_logprobs"))
+
+
+@dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probs of some chunks of a step, on their way to (or in) host memory."""
+
+    chunks: tuple[int, ...]
+    """The chunk indices, in row order of the tensors below."""
+    chosen: torch.Tensor
+    """[rows] float32: log-prob of each row's token."""
+    top_values: torch.Tensor | None
+    """[rows, N] float32: the N highest log-probs, descending; None: no row asked for any."""
+    top_ids: torch.Tensor | None
+    top_n: tuple[int, ...]
+    """How many of the top entries each row wants (0: none)."""
+
+    def read(self) -> dict[int, tuple[float, dict[int, float] | None]]:
+        """{chunk index: (log-prob, {token: log-prob} of its top-N or None)}; the host copies
+        must be complete (the step's `ready` event)."""
+        chosen = self.chosen.tolist()
+        values = self.top_values.tolist() if self.top_values is not None else None
+        ids = self.top_ids.tolist() if self.top_ids is not None else None
+        out = {}
+        for j, (i, n) in enumerate(zip(self.chunks, self.top_n, strict=True)):
+            top = dict(zip(ids[j][:n], values[j][:n], strict=True)) if n else None
+            out[i] = (chosen[j], top)
+        return out
+
+
+def compute(
+    logits: torch.Tensor, chunks: Sequence[int], rows: torch.Tensor | None, tokens: torch.Tensor,
+    top_n: Sequence[int],
+) -> StepLogprobs:
+    """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (a
+    `device_index`; None: every row, in order) for `chunks`; each row's top `top_n[j]`. Queued
+    on the device; on CUDA the results are copied to pinned host memory without waiting."""
+    picked = logits if rows is None else logits.index_select(0, rows)
+    logprobs = torch.log_softmax(picked.float(), dim=-1)  # one kernel; the host sampler's arithmetic
+    chosen = logprobs.gather(1, tokens.view(-1, 1).to(torch.long)).squeeze(1)
+    most = max(top_n, default=0)
+    values = ids = None
+    if most:
+        values, ids = torch.topk(logprobs, most, dim=-1)
+    if logits.is_cuda:
+        chosen, values, ids = (_to_pinned(t) if t is not None else None for t in (chosen, values, ids))
+    return StepLogprobs(tuple(chunks), chosen, values, ids, tuple(top_n))
+
+
+def device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
+    """`rows` as an index tensor on `device`, without waiting for the device: from pinned
+    memory (a copy from pageable memory would wait for the stream, i.e. for the step)."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    if device.type != "cuda":
+        return index
+    return index.pin_memory().to(device, non_blocking=True)
+
+
+def _to_pinned(t: torch.Tensor) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host
