@@ -96,9 +96,12 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=8192, help="prompt length")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--transport", default="cuda_ipc")
+    p.add_argument("--worker-flag", action="append", default=[], metavar="FLAG",
+                   help="extra flag for both workers (repeatable), e.g. --worker-flag=--no-layerwise")
     args = p.parse_args()
     flags = ["--device", "cuda", "--dtype", "bfloat16", "--transport", args.transport, "--block-size", "16",
-             "--buffer-size-gb", "16", "--max-tokens", str(max(8192, args.tokens)), "--max-requests", "8"]
+             "--buffer-size-gb", "16", "--max-tokens", str(max(8192, args.tokens)), "--max-requests", "8",
+             *args.worker_flag]
     g = torch.Generator().manual_seed(0)
     sp = sampling_to_proto(SamplingParams(num_tokens_to_generate=4, temperature=0.0, ignore_eos=True))
     with tempfile.TemporaryDirectory() as tmp:
@@ -163,7 +166,8 @@ def main() -> None:
         finally:
             stop_workers((prefill_proc, decode_proc))
     a, d, r = (statistics.median(x) * 1e3 for x in (agg, dis, ready))
-    print(f"prompt {args.tokens} tokens, transport {args.transport}, {args.reps} reps (medians)")
+    print(f"prompt {args.tokens} tokens, transport {args.transport} {' '.join(args.worker_flag)}, {args.reps} reps "
+          f"(medians)")
     print(f"{'TTFT aggregated ms':>20} {'TTFT disagg ms':>16} {'disagg/agg - 1':>15} {'decode ready ms':>16} {'ready/agg - 1':>14}")
     print(f"{a:>20.2f} {d:>16.2f} {d / a - 1:>+15.2%} {r:>16.2f} {r / a - 1:>+14.2%}")
     paired = sorted(x / y - 1 for x, y in zip(dis, agg, strict=True))  # each rep's pair ran back to back

@@ -5,8 +5,10 @@ all see the adjusted rows, and a decode step with such rows can still run ahead.
 A decode step launched ahead (engine/step_pipeline.py) has its rows' previous token only on the
 device: the host holds a placeholder for it. That token is the step's input id for the row, so
 the counts a penalty needs are the host-known output plus that one id (`fed`), added on the
-device; no host sync. Rows that want log-probs are left alone: they are sampled on the host from
-the model's own logits (raw log-probs), adjusting a copy (engine/logit_slots.py `adjust_once`).
+device; no host sync. Rows that want log-probs are left alone — sampled on the host from the
+model's own logits (raw log-probs), adjusting a copy (engine/logit_slots.py `adjust_once`) —
+except in a decode step's launch, which takes their raw log-softmax first and then adjusts them
+with the others (`also`; engine/step_logprobs.py).
 
 Each request's counts and bias live on the device (engine/logit_slots.py): a step sends the ids
 its rows produced since their last adjustment, and one kernel launch adjusts every row
@@ -52,12 +54,14 @@ def adjust_in_place(
 
 
 def adjust_at_launch(
-    slots: LogitSlots, chunks, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None
+    slots: LogitSlots, chunks, logits: torch.Tensor, tokens: torch.Tensor, fed: torch.Tensor | None,
+    also: Collection[int] = (),
 ) -> frozenset[int]:
-    """A decode step's rows (row i = chunk i) with a bias or penalties and no log-probs: adjusted
-    in `logits` now, the greedy ones' argmax into `tokens` (the step's tokens on the device) — the
-    step can then run ahead like any other. Returns the adjusted rows."""
-    picked = adjusted_rows(chunks)
+    """A decode step's rows (row i = chunk i) with a bias or penalties and no log-probs, and the
+    rows `also` (whose raw log-probs the caller has taken): adjusted in `logits` now, the greedy
+    ones' argmax into `tokens` (the step's tokens on the device) — the step can then run ahead
+    like any other. Returns the adjusted rows."""
+    picked = sorted(set(adjusted_rows(chunks)) | set(also))
     if not picked:
         return frozenset()
     rows = [(i, chunks[i].request, i, i if chunks[i].request.params.is_greedy else -1) for i in picked]

@@ -31,8 +31,15 @@ from splitserve.engine.parallel import ParallelState
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
-from splitserve.engine.step_logprobs import StepLogprobs, device_index, on_device, wants_logprobs
+from splitserve.engine.step_logprobs import (
+    StepLogprobs,
+    device_index,
+    log_softmax_rows,
+    on_device,
+    wants_logprobs,
+)
 from splitserve.engine.step_logprobs import compute as compute_logprobs
+from splitserve.engine.step_logprobs import finish as finish_logprobs
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -140,6 +147,9 @@ class ModelRunner:
 
         self._triton_argmax = self.device.type == "cuda" and kernels.triton_available()
         """Eager greedy steps take the Triton argmax (greedy_ids)."""
+        self._draws_at_launch = self.device.type != "cuda" or self._triton_argmax
+        """A decode step's sampled rows are drawn at launch (`_draw_at_launch`: the batched
+        device sampler needs Triton; on CPU the host sampler draws there)."""
         self.flashinfer = self._flashinfer_shape()
         """flashinfer backend: what its wrappers are planned for (attention_flashinfer.Shape)."""
         self.planner = None
@@ -258,10 +268,17 @@ class ModelRunner:
         adjusted = drawn = frozenset()
         logprobs = None
         if self.ps.is_driver:
-            adjusted = adjust_at_launch(self.logit_slots, out.chunks, logits, greedy, fed)
+            chunks = out.chunks
+            lp_rows = self._logprob_rows_at_launch(out)
+            index = None if len(lp_rows) == len(chunks) else device_index(lp_rows, logits.device)
+            taken = log_softmax_rows(logits, index) if lp_rows else None  # before any row is adjusted
+            also = [i for i in lp_rows if chunks[i].request.params.adjusts_logits]
+            adjusted = adjust_at_launch(self.logit_slots, chunks, logits, greedy, fed, also)
             drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
-            drawn |= {i for i in adjusted if out.chunks[i].request.params.is_greedy}
-            logprobs = self._logprobs_at_launch(out, logits, greedy, drawn)
+            drawn |= {i for i in adjusted if chunks[i].request.params.is_greedy}
+            if lp_rows:  # every one of them has its token in `greedy` now
+                logprobs = finish_logprobs(taken, lp_rows, greedy if index is None else greedy.index_select(0, index),
+                                           [chunks[i].request.params.top_n_logprobs for i in lp_rows])
         step = PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted,
                            logprobs=logprobs)
         if greedy.device.type != "cuda":
@@ -272,36 +289,32 @@ class ModelRunner:
         ready.record()
         return replace(step, greedy_host=host, ready=ready)
 
-    def _logprobs_at_launch(
-        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, drawn: frozenset[int]
-    ) -> StepLogprobs | None:
-        """Log-probs of a decode step's rows whose tokens `tokens` holds now (row i = chunk i:
-        greedy rows' argmax, drawn rows' draws), computed before a later replay of the same graph
-        can overwrite `logits` (engine/step_logprobs.py)."""
-        mode = self.config.logprobs_mode
-        picked = [i for i, chunk in enumerate(out.chunks)
-                  if chunk.is_sample and on_device(chunk.request.params, mode)
-                  and (chunk.request.params.is_greedy or i in drawn)]
-        if not picked:
-            return None
-        index = None if len(picked) == len(tokens) else device_index(picked, tokens.device)
-        return compute_logprobs(logits, picked, index, tokens if index is None else tokens.index_select(0, index),
-                                [out.chunks[i].request.params.top_n_logprobs for i in picked])
+    def _logprob_rows_at_launch(self, out: SchedulerOutput) -> list[int]:
+        """A decode step's rows whose log-probs are taken at launch (engine/step_logprobs.py):
+        each one's token is then in the step's tokens — greedy rows' argmax (an adjusted row's from
+        the adjustment kernel), sampled rows' draws (`_draw_at_launch`, where a launch draws)."""
+        mode, draws = self.config.logprobs_mode, self._draws_at_launch
+        return [i for i, chunk in enumerate(out.chunks)
+                if chunk.is_sample and on_device(chunk.request.params, mode, adjusted_too=True)
+                and (draws or chunk.request.params.is_greedy)]
 
     def _draw_at_launch(
         self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False,
         adjusted: frozenset[int] = frozenset(),
     ) -> frozenset[int]:
-        """Draw a decode step's sampled rows that want no log-probs now, into `tokens` (row i =
-        chunk i), so they need neither the logits nor a host round trip at `collect` and the
-        step can run ahead (engine/step_pipeline.py). On CUDA the batched device sampler queues
+        """Draw a decode step's sampled rows now (those that want log-probs: where the device takes
+        them, engine/step_logprobs.py), into `tokens` (row i = chunk i), so they need neither the
+        logits nor a host round trip at `collect` and the step can run ahead (engine/step_pipeline.py). On CUDA the batched device sampler queues
         the draw behind the step; on CPU the host sampler draws as `collect` would (the CPU
         computes synchronously anyway). Either way the token is the one `collect` would have
         drawn: a draw depends only on the request's seed and the token's position, and no
         position changes between launch and collect. `graphed`: the logits are the decode graph's
         buffer, so a captured sampler graph may draw them (engine/sampler_graphs.py)."""
+        # adjusted rows that want log-probs: adjusted here only because their raw log-probs were taken first
+        raw_taken = {i for i in adjusted if not out.chunks[i].request.params.is_greedy
+                     and wants_logprobs(out.chunks[i].request.params)}
         if tokens.is_cuda:
-            picked = device_drawable(out.chunks, logits, self.config.logprobs_mode)
+            picked = sorted(set(device_drawable(out.chunks, logits, self.config.logprobs_mode)) | raw_taken)
             if not picked:
                 return frozenset()
             drawn = self.graphs.draw(out.chunks, picked, self.row_seed) if graphed else None
@@ -313,7 +326,7 @@ class ModelRunner:
             else:
                 tokens.index_copy_(0, device_index(picked, tokens.device), drawn)
             return frozenset(picked)
-        picked = sampled_rows(out.chunks, self.config.logprobs_mode)
+        picked = sorted(set(sampled_rows(out.chunks, self.config.logprobs_mode)) | raw_taken)
         for i in picked:
             req = out.chunks[i].request
             tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode,

@@ -2,11 +2,13 @@
 sync per row — so a decode step whose requests want log-probs can still run ahead
 (engine/step_pipeline.py).
 
-A row qualifies when its log-probs are those of the model's own logits and its token is known on
-the device at launch: a greedy row (its argmax), or a sampled row drawn by the batched device
-sampler (engine/device_sampler.py) in `raw_logprobs` mode. Rows with a logit bias or penalties
-(their raw logits are adjusted in place for the draw: engine/adjusted_rows.py) and sampled rows
-in `processed_logprobs` mode (log-probs of the temperature / top-k / top-p logits) keep the host
+A row qualifies when its token is known on the device at launch — a greedy row (its argmax), a
+sampled row drawn by the batched device sampler (engine/device_sampler.py) — and its log-probs are
+those of the model's own logits: greedy rows, and sampled rows in `raw_logprobs` mode. A row with
+a logit bias or penalties qualifies in a decode step's launch in `raw_logprobs` mode: its raw
+log-softmax is taken before the row is adjusted in place for its token (engine/adjusted_rows.py);
+elsewhere (a step with prefill chunks) it keeps the host sampler. Sampled rows in
+`processed_logprobs` mode (log-probs of the temperature / top-k / top-p logits) keep the host
 sampler (engine/sampler.py `sample_row`), and their steps are not run ahead.
 
 For the picked rows, at once: their log-softmax, the chosen token's entry and the top N
@@ -28,11 +30,15 @@ def wants_logprobs(params) -> bool:
     return bool(params.return_log_probs or params.top_n_logprobs)
 
 
-def on_device(params, logprobs_mode: str) -> bool:
+def on_device(params, logprobs_mode: str, adjusted_too: bool = False) -> bool:
     """Log-probs this module computes for a row whose token is known on the device: the model's
-    own logits (no bias / penalties), and for a sampled row only in `raw_logprobs` mode."""
-    return (wants_logprobs(params) and not params.adjusts_logits
-            and (params.is_greedy or logprobs_mode == "raw_logprobs"))
+    own logits, and for a sampled row only in `raw_logprobs` mode; `adjusted_too` (a decode step's
+    launch): also a row with a bias or penalties, in `raw_logprobs` mode."""
+    if not wants_logprobs(params):
+        return False
+    if params.adjusts_logits:
+        return adjusted_too and logprobs_mode == "raw_logprobs"
+    return params.is_greedy or logprobs_mode == "raw_logprobs"
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,13 @@ class StepLogprobs:
         return out
 
 
+def log_softmax_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """[len(rows), vocab] float32 log-probs of logits rows `rows` (a `device_index`; None: every
+    row, in order): one kernel, the host sampler's arithmetic."""
+    picked = logits if rows is None else logits.index_select(0, rows)
+    return torch.log_softmax(picked.float(), dim=-1)
+
+
 def compute(
     logits: torch.Tensor, chunks: Sequence[int], rows: torch.Tensor | None, tokens: torch.Tensor,
     top_n: Sequence[int],
@@ -69,14 +82,17 @@ def compute(
     """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (a
     `device_index`; None: every row, in order) for `chunks`; each row's top `top_n[j]`. Queued
     on the device; on CUDA the results are copied to pinned host memory without waiting."""
-    picked = logits if rows is None else logits.index_select(0, rows)
-    logprobs = torch.log_softmax(picked.float(), dim=-1)  # one kernel; the host sampler's arithmetic
+    return finish(log_softmax_rows(logits, rows), chunks, tokens, top_n)
+
+
+def finish(logprobs: torch.Tensor, chunks: Sequence[int], tokens: torch.Tensor, top_n: Sequence[int]) -> StepLogprobs:
+    """`compute` from rows' log-probs already taken (`log_softmax_rows`)."""
     chosen = logprobs.gather(1, tokens.view(-1, 1).to(torch.long)).squeeze(1)
     most = max(top_n, default=0)
     values = ids = None
     if most:
         values, ids = torch.topk(logprobs, most, dim=-1)
-    if logits.is_cuda:
+    if logprobs.is_cuda:
         chosen, values, ids = (_to_pinned(t) if t is not None else None for t in (chosen, values, ids))
     return StepLogprobs(tuple(chunks), chosen, values, ids, tuple(top_n))
 

@@ -18,8 +18,8 @@ Scheduling ahead is safe only when it cannot change which requests run, so
 - it is decode-only, every running request is in it, and each row's token is
   already on the device — the argmax the step computed, or for a sampled row the
   draw queued right behind it (`ModelRunner._draw_at_launch`) — and so are the
-  log-probs of each row that wants them (engine/step_logprobs.py; not for rows
-  with a logit bias or penalties, nor sampled rows' processed log-probs);
+  log-probs of each row that wants them (engine/step_logprobs.py; not for the
+  processed log-probs of sampled or adjusted rows);
 - nothing waits for admission and the pool has a free block for each request
   (no preemption can hit a request that holds a placeholder);
 - the engine is one rank, not a prefill engine (prefill requests end after one

@@ -31,17 +31,22 @@ def reference(hf, prompt, new, presence=0.0, frequency=0.0, bias=(), earlier=())
     counts over the output so far (`earlier` = generated before the prompt's end)."""
     ids, out, generated = list(prompt), list(earlier), []
     for _ in range(new):
-        with torch.no_grad():
-            logits = hf(torch.tensor([ids])).logits[0, -1].float()
-        counts = torch.zeros_like(logits)
-        for t in out:
-            counts[t] += 1
-        logits = logits - frequency * counts - presence * (counts > 0).float()
-        for t, b in bias:
-            logits[t] += b
-        token = int(logits.argmax())
+        token = int(adjusted_logits(hf, ids, out, presence, frequency, bias).argmax())
         ids.append(token), out.append(token), generated.append(token)
     return generated
+
+
+def adjusted_logits(hf, ids, out, presence, frequency, bias) -> torch.Tensor:
+    """HF's next-token logits after `ids`, adjusted by hand for the output `out` so far."""
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0, -1].float()
+    counts = torch.zeros_like(logits)
+    for t in out:
+        counts[t] += 1
+    logits = logits - frequency * counts - presence * (counts > 0).float()
+    for t, b in bias:
+        logits[t] += b
+    return logits
 
 
 def params(**extra):
@@ -98,7 +103,61 @@ def test_sampled_and_log_prob_rows_with_adjustments_draw_alike_run_ahead_or_not(
     assert runs[True][0][1] != runs[True][0][0]  # the adjustments change the draws
     with_log_probs = rows + [params(return_log_probs=True, **ADJUSTED)]
     done, ahead = run_batch(LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=True), with_log_probs)
-    assert done[4] == done[2] and not any(ahead)
+    assert done[4] == done[2] and sum(ahead) >= NEW - 4  # its raw log-probs taken at launch (next test)
+
+
+def _results(llm, rows) -> tuple[list, list[bool]]:
+    """Each of `rows` on PROMPT as one engine batch: final results, and per step whether a
+    step was left in flight."""
+    engine, done, ahead = llm.engine, {}, []
+    for i, p in enumerate(rows):
+        engine.add_request(f"r{i}", PROMPT, p)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                done[int(out.request_id[1:])] = out.result
+        ahead.append(engine._inflight is not None)
+    assert engine.pool.num_available == engine.pool.num_blocks
+    return [done[i] for i in range(len(rows))], ahead
+
+
+@pytest.mark.parametrize("ahead", [False, True], ids=["in_step", "run_ahead"])
+def test_adjusted_rows_that_want_log_probs_get_the_raw_log_probs_and_run_ahead(checkpoint, ahead):
+    """`raw_logprobs`: a decode step takes an adjusted row's log-softmax before adjusting it in
+    place for its token (engine/step_logprobs.py), so the batch runs ahead; the log-probs are
+    the model's own (HF's, teacher-forced on our tokens), the tokens those of the adjusted logits."""
+    path, hf = checkpoint
+    rows = [params(return_log_probs=True, top_n_logprobs=2, **ADJUSTED), sampled(return_log_probs=True, **ADJUSTED),
+            params(), sampled(**ADJUSTED)]
+    llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=ahead)
+    (greedy, drawn, _, drawn_plain), ran_ahead = _results(llm, rows)
+    assert list(greedy.generated_tokens) == reference(hf, PROMPT, NEW, 0.7, 1.3, rows[0].logit_bias)
+    assert drawn.generated_tokens == drawn_plain.generated_tokens  # wanting log-probs changes no draw
+    for res in (greedy, drawn):
+        with torch.no_grad():
+            logits = hf(torch.tensor([PROMPT + list(res.generated_tokens)])).logits[0, len(PROMPT) - 1 : -1].float()
+        raw = torch.log_softmax(logits, dim=-1)
+        want = raw.gather(1, torch.tensor(res.generated_tokens)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(res.generated_log_probs), want, atol=1e-4, rtol=0)
+    for step, top in enumerate(greedy.top_n_logprobs):  # the top 2 of the raw distribution
+        values, ids = torch.log_softmax(hf(torch.tensor([PROMPT + list(greedy.generated_tokens[:step])])).logits[0, -1]
+                                        .float(), dim=-1).topk(2)
+        assert list(top) == ids.tolist() and torch.allclose(torch.tensor(list(top.values())), values, atol=1e-4)
+    assert sum(ran_ahead) >= (NEW - 4 if ahead else 0) and (ahead or not any(ran_ahead))
+
+
+def test_adjusted_rows_with_processed_log_probs_keep_the_host_sampler(checkpoint):
+    """`processed_logprobs`: an adjusted row's log-probs are those of its adjusted logits, taken on
+    the host at collect — such a step is not run ahead."""
+    path, hf = checkpoint
+    llm = LLM(str(path), block_size_tokens=8, num_blocks=64, async_scheduling=True, logprobs_mode="processed_logprobs")
+    (res,), ran_ahead = _results(llm, [params(return_log_probs=True, **ADJUSTED)])
+    assert list(res.generated_tokens) == reference(hf, PROMPT, NEW, 0.7, 1.3, ADJUSTED["logit_bias"].items())
+    assert not any(ran_ahead)
+    tokens = list(res.generated_tokens)
+    want = [torch.log_softmax(adjusted_logits(hf, PROMPT + tokens[:i], tokens[:i], 0.7, 1.3,
+                                              ADJUSTED["logit_bias"].items()), dim=-1)[tokens[i]] for i in range(NEW)]
+    assert torch.allclose(torch.tensor(res.generated_log_probs), torch.tensor(want), atol=1e-4, rtol=0)
 
 
 def test_a_resumed_request_counts_the_output_it_carries_in_its_prompt(model):
