@@ -34,6 +34,12 @@ def _count_run_ahead(engine) -> list[bool]:
 def _run(ckpt, prompts, params, **options):
     """Each prompt with its own params through `Engine.step`; (tokens, status) per request.
     `llm.ahead_steps`: per step, whether it left a step in flight."""
+    llm, results = _results(ckpt, prompts, params, **options)
+    return llm, [(r.generated_tokens, r.status) for r in results]
+
+
+def _results(ckpt, prompts, params, **options):
+    """`_run`'s engine and each request's final result."""
     sampler_graphs = options.pop("sampler_graphs", True)
     llm = LLM(str(ckpt), **{**OPTIONS, **options})
     engine = llm.engine
@@ -46,7 +52,7 @@ def _run(ckpt, prompts, params, **options):
     while engine.has_unfinished():
         for out in engine.step():
             if out.result is not None and out.result.is_finished:
-                final[out.request_id] = (out.result.generated_tokens, out.result.status)
+                final[out.request_id] = out.result
     engine.check_integrity()
     assert engine.pool.num_available == engine.pool.num_blocks  # every block back
     return llm, [final[f"r{i}"] for i in range(len(prompts))]
@@ -122,18 +128,7 @@ def _log_prob_params(n: int = 11) -> list[SamplingParams]:
 
 def _log_probs_run(ckpt, prompts, params, **options):
     """Tokens, log-probs and top-N of each request; `llm.ahead_steps` as in `_run`."""
-    llm = LLM(str(ckpt), **{**OPTIONS, **options})
-    engine = llm.engine
-    llm.ahead_steps = _count_run_ahead(engine)
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-        engine.add_request(f"r{i}", prompt, p)
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.result is not None and out.result.is_finished:
-                final[out.request_id] = out.result
-    assert engine.pool.num_available == engine.pool.num_blocks
-    results = [final[f"r{i}"] for i in range(len(prompts))]
+    llm, results = _results(ckpt, prompts, params, **options)
     return llm, [(r.generated_tokens, r.generated_log_probs, r.top_n_logprobs) for r in results]
 
 

@@ -56,15 +56,8 @@ def params(**extra):
 def run_batch(llm, rows) -> tuple[dict, list[bool]]:
     """Each of `rows` (params) on PROMPT as one engine batch: tokens per row, and per step
     whether the engine left a step in flight (ran ahead)."""
-    engine, done, ahead = llm.engine, {}, []
-    for i, p in enumerate(rows):
-        engine.add_request(f"r{i}", PROMPT, p)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.result is not None and out.result.is_finished:
-                done[int(out.request_id[1:])] = list(out.result.generated_tokens)
-        ahead.append(engine._inflight is not None)
-    return done, ahead
+    results, ahead = _results(llm, rows)
+    return {i: list(r.generated_tokens) for i, r in enumerate(results)}, ahead
 
 
 def sampled(**extra):
