@@ -46,7 +46,8 @@ def draw_rows(
     picked: Sequence[int],
 ) -> torch.Tensor:
     """Tokens [len(picked)] int64 on the logits' device for chunks `picked` (sampled rows: each
-    satisfies `device_draws`, or is a row adjusted at launch after its log-probs were taken), drawn from the last row of each one's span; no host sync."""
+    satisfies `device_draws`, or is a row adjusted at launch after its log-probs were taken),
+    drawn from the last row of each one's span; no host sync."""
     from splitserve import kernels
 
     reqs = [chunks[i].request for i in picked]

@@ -304,9 +304,10 @@ class ModelRunner:
     ) -> frozenset[int]:
         """Draw a decode step's sampled rows now (those that want log-probs: where the device takes
         them, engine/step_logprobs.py), into `tokens` (row i = chunk i), so they need neither the
-        logits nor a host round trip at `collect` and the step can run ahead (engine/step_pipeline.py). On CUDA the batched device sampler queues
-        the draw behind the step; on CPU the host sampler draws as `collect` would (the CPU
-        computes synchronously anyway). Either way the token is the one `collect` would have
+        logits nor a host round trip at `collect` and the step can run ahead
+        (engine/step_pipeline.py). On CUDA the batched device sampler queues the draw behind the
+        step; on CPU the host sampler draws as `collect` would (the CPU computes synchronously
+        anyway). Either way the token is the one `collect` would have
         drawn: a draw depends only on the request's seed and the token's position, and no
         position changes between launch and collect. `graphed`: the logits are the decode graph's
         buffer, so a captured sampler graph may draw them (engine/sampler_graphs.py)."""

@@ -13,8 +13,9 @@ sampler (engine/sampler.py `sample_row`), and their steps are not run ahead.
 
 For the picked rows, at once: their log-softmax, the chosen token's entry and the top N
 (N = the most any row asks; each row keeps its own first N) — a few launches over [rows, vocab]
-on the device, then small copies to pinned host memory that the step's `ready` event covers. The same function serves steps that collect on the spot
-(prefill chunks, a plain engine), so a request's log-probs do not depend on whether its
+on the device, then small copies to pinned host memory that the step's `ready` event covers.
+The same functions serve steps that collect on the spot (prefill chunks), and a plain engine's
+decode steps take the launch path too, so a request's log-probs do not depend on whether its
 steps ran ahead.
 """
 
