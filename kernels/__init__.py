@@ -34,7 +34,6 @@ __all__ = [
     "paged_prefill_attention",
     "plan_decode",
     "rms_norm",
-    "row_logprobs",
     "sample_rows",
     "selective_state_update",
     "silu_and_mul",
@@ -54,7 +53,6 @@ _LAZY = {
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
     "adjust_logit_rows": "logit_adjust",
-    "row_logprobs": "logprobs",
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
     "decode_linear": "linear",
@@ -75,7 +73,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv_write import write_kv
     from .linear import decode_linear, decode_linear_glu, decode_linear_partials
     from .logit_adjust import adjust_logit_rows
-    from .logprobs import row_logprobs
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention
