@@ -41,12 +41,12 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, PinnedHandoff
 from splitserve.engine.handoff import HandoffDescriptor, HandoffStage, engine_layout
 from splitserve.engine.kv_cache import num_blocks_for
-from splitserve.engine.model_runner import ChunkResult
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.parallel import ParallelState
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult
 from splitserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerOutput
+from splitserve.engine.step_sampling import ChunkResult
 from splitserve.engine.stop import StopChecker
 from splitserve.engine.transfer.plan import TransferPlan, build_plan
 from splitserve.engine.transfer.transport import KVTransport, TransferError, TransferStats, TransferTimeout

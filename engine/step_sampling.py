@@ -1,0 +1,270 @@
+"""Sampling a launched step: the tokens of a decode step taken at launch (argmax, logit
+adjustments, device draws, log-probs) so the step can run ahead, and `collect`, which turns a
+launched step into each chunk's result on every rank.
+
+`StepSampling` is the sampling half of `ModelRunner` (engine/model_runner.py), which builds and
+runs the forward pass; it uses the runner's `config`, `ps`, `model` (`compute_logits`),
+`device`, `graphs`, `logit_slots`, `_triton_argmax`, `_draws_at_launch`, `_base_seeds` and
+`_seed_source`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from splitserve.engine.adjusted_rows import adjust_at_launch, adjust_in_place, adjusted_rows
+from splitserve.engine.device_sampler import (
+    device_drawable,
+    draw_on_device,
+    draw_rows,
+    sampled_rows,
+)
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.engine.step_logprobs import (
+    StepLogprobs,
+    device_index,
+    log_softmax_rows,
+    on_device,
+    wants_logprobs,
+)
+from splitserve.engine.step_logprobs import compute as compute_logprobs
+from splitserve.engine.step_logprobs import finish as finish_logprobs
+
+
+def greedy_ids(logits: torch.Tensor, triton: bool) -> torch.Tensor:
+    """Row-wise argmax (first index of the maximum, as torch's). `triton` (the runner decides it
+    once: CUDA with Triton importable): the two-stage Triton kernel the decode graphs use — torch
+    gives a whole 128k-entry row to one multiprocessor (~40 µs for 64 rows on an H200, against ~11)."""
+    if triton and logits.dim() == 2 and logits.stride(-1) == 1:
+        from splitserve import kernels
+
+        return kernels.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A launched step: what `collect` needs to sample it."""
+
+    out: SchedulerOutput
+    hidden: torch.Tensor | None = None
+    """Last stage, eager: the hidden states of the step's tokens."""
+    logits: torch.Tensor | None = None
+    """Decode steps: one logits row per sequence (a graph's buffer: valid only until
+    that graph replays again), their argmax on the device (`greedy`) and its host
+    copy (`greedy_host`, complete once `ready` has fired)."""
+    greedy: torch.Tensor | None = None
+    greedy_host: torch.Tensor | None = None
+    drawn: frozenset[int] = frozenset()
+    """Sampled rows already drawn at launch: their tokens stand in `greedy` in place of the
+    argmax, so the step can be fed forward like a greedy one (`_draw_at_launch`)."""
+    adjusted: frozenset[int] = frozenset()
+    """Rows whose logit bias / penalties are already in `logits` (engine/adjusted_rows.py)."""
+    logprobs: StepLogprobs | None = None
+    """Log-probs of the rows that want them, computed at launch (engine/step_logprobs.py)."""
+    ready: torch.cuda.Event | None = None
+    layer_marks: Callable[[], None] | None = None
+    """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
+    (engine/handoff_layerwise.py `DeviceLayerMarks.drain`); `collect` calls it first."""
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """What one scheduled chunk produced (identical on every rank)."""
+
+    request_id: str
+    sample: SampleResult | None
+    prompt_log_probs: tuple[float, ...] = ()
+
+
+class StepSampling:
+    """Samples launched steps (see the module docstring); mixed into `ModelRunner`."""
+
+    def _decode_pending(
+        self, out: SchedulerOutput, logits: torch.Tensor, greedy: torch.Tensor, graphed: bool = False,
+        fed: torch.Tensor | None = None,
+    ) -> PendingStep:
+        """A decode step's logits (one row per sequence) and argmax — with the sampled rows'
+        draws in place of theirs (`_draw_at_launch`) — on its way to the host now, so
+        `collect` waits for this step only, not for a later one queued behind it."""
+        greedy = greedy.clone()  # a graph's output buffer is rewritten by its next replay
+        adjusted = drawn = frozenset()
+        logprobs = None
+        if self.ps.is_driver:
+            chunks = out.chunks
+            lp_rows = self._logprob_rows_at_launch(out)
+            index = None if len(lp_rows) == len(chunks) else device_index(lp_rows, logits.device)
+            taken = log_softmax_rows(logits, index) if lp_rows else None  # before any row is adjusted
+            also = [i for i in lp_rows if chunks[i].request.params.adjusts_logits]
+            adjusted = adjust_at_launch(self.logit_slots, chunks, logits, greedy, fed, also)
+            drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
+            drawn |= {i for i in adjusted if chunks[i].request.params.is_greedy}
+            if lp_rows:  # every one of them has its token in `greedy` now
+                logprobs = finish_logprobs(taken, lp_rows, greedy if index is None else greedy.index_select(0, index),
+                                           [chunks[i].request.params.top_n_logprobs for i in lp_rows])
+        step = PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted,
+                           logprobs=logprobs)
+        if greedy.device.type != "cuda":
+            return step
+        host = torch.empty(greedy.shape, dtype=greedy.dtype, pin_memory=True)
+        host.copy_(greedy, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return replace(step, greedy_host=host, ready=ready)
+
+    def _logprob_rows_at_launch(self, out: SchedulerOutput) -> list[int]:
+        """A decode step's rows whose log-probs are taken at launch (engine/step_logprobs.py):
+        each one's token is then in the step's tokens — greedy rows' argmax (an adjusted row's from
+        the adjustment kernel), sampled rows' draws (`_draw_at_launch`, where a launch draws)."""
+        mode, draws = self.config.logprobs_mode, self._draws_at_launch
+        return [i for i, chunk in enumerate(out.chunks)
+                if chunk.is_sample and on_device(chunk.request.params, mode, adjusted_too=True)
+                and (draws or chunk.request.params.is_greedy)]
+
+    def _draw_at_launch(
+        self, out: SchedulerOutput, logits: torch.Tensor, tokens: torch.Tensor, graphed: bool = False,
+        adjusted: frozenset[int] = frozenset(),
+    ) -> frozenset[int]:
+        """Draw a decode step's sampled rows now (those that want log-probs: where the device takes
+        them, engine/step_logprobs.py), into `tokens` (row i = chunk i), so they need neither the
+        logits nor a host round trip at `collect` and the step can run ahead
+        (engine/step_pipeline.py). On CUDA the batched device sampler queues the draw behind the
+        step; on CPU the host sampler draws as `collect` would (the CPU computes synchronously
+        anyway). Either way the token is the one `collect` would have
+        drawn: a draw depends only on the request's seed and the token's position, and no
+        position changes between launch and collect. `graphed`: the logits are the decode graph's
+        buffer, so a captured sampler graph may draw them (engine/sampler_graphs.py)."""
+        # adjusted rows that want log-probs: adjusted here only because their raw log-probs were taken first
+        raw_taken = {i for i in adjusted if not out.chunks[i].request.params.is_greedy
+                     and wants_logprobs(out.chunks[i].request.params)}
+        if tokens.is_cuda:
+            picked = sorted(set(device_drawable(out.chunks, logits, self.config.logprobs_mode)) | raw_taken)
+            if not picked:
+                return frozenset()
+            drawn = self.graphs.draw(out.chunks, picked, self.row_seed) if graphed else None
+            if drawn is None:
+                spans = [(i, i + 1) for i in range(len(out.chunks))]
+                drawn = draw_rows(out.chunks, logits, spans, self.row_seed, picked)
+            if len(picked) == len(tokens):
+                tokens.copy_(drawn)
+            else:
+                tokens.index_copy_(0, device_index(picked, tokens.device), drawn)
+            return frozenset(picked)
+        picked = sorted(set(sampled_rows(out.chunks, self.config.logprobs_mode)) | raw_taken)
+        for i in picked:
+            req = out.chunks[i].request
+            tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode,
+                                   preadjusted=i in adjusted).token_id
+        return frozenset(picked)
+
+    @torch.inference_mode()
+    def collect(self, step: PendingStep) -> list[ChunkResult]:
+        """Sample the launched step (driver) and share the results with every rank."""
+        if step.layer_marks is not None:  # its layers' readiness first: a decode worker is pulling them
+            step.layer_marks()
+        results = None
+        if self.ps.is_driver:
+            if step.logits is not None:
+                if step.ready is not None:
+                    step.ready.synchronize()
+                spans = [(i, i + 1) for i in range(len(step.out.chunks))]
+                results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted,
+                                              step.logprobs)
+            elif step.hidden is not None:
+                results = self._sample(step.out, step.hidden)
+        return self.ps.broadcast_from_driver(results)
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[ChunkResult]:
+        rows: list[int] = []
+        offset = 0
+        spans: list[tuple[int, int]] = []  # rows of each chunk in `logits`
+        for chunk in out.chunks:
+            first = len(rows)
+            if chunk.request.wants_prompt_log_probs and chunk.start < chunk.request.prompt_len:
+                rows.extend(range(offset, offset + chunk.num_tokens))
+            elif chunk.is_sample:
+                rows.append(offset + chunk.num_tokens - 1)
+            spans.append((first, len(rows)))
+            offset += chunk.num_tokens
+        logits = self.model.compute_logits(hidden[rows]) if rows else None
+        return self._sample_logits(out, logits, spans)
+
+    def _sample_logits(
+        self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
+        drawn: frozenset[int] = frozenset(), adjusted: frozenset[int] = frozenset(),
+        logprobs: StepLogprobs | None = None,
+    ) -> list[ChunkResult]:
+        """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
+        `greedy`: their argmax when the step already computed it (a CUDA graph), with the
+        tokens of the `drawn` chunks' rows drawn at launch in place of theirs; `adjusted`: rows
+        whose bias / penalties are already in `logits` (the others are adjusted here first);
+        `logprobs`: rows' log-probs computed at launch (the others that qualify are computed
+        here the same way: engine/step_logprobs.py)."""
+        if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
+            late = adjusted_rows(out.chunks, skip=adjusted)
+            if late:
+                adjust_in_place(self.logit_slots, logits, out.chunks, late, [spans[i][1] - 1 for i in late])
+                adjusted = adjusted | frozenset(late)
+        # Plain greedy rows (the common case) share one argmax and one host sync.
+        if greedy is None and logits is not None:
+            greedy = greedy_ids(logits, self._triton_argmax)
+        greedy = greedy.tolist() if greedy is not None else []
+        mode = self.config.logprobs_mode
+        drawn_now = draw_on_device(out.chunks, logits, spans, self.row_seed, mode, drawn) if logits is not None else {}
+        lps = logprobs.read() if logprobs is not None else {}
+        if logits is not None:
+            late = [i for i, chunk in enumerate(out.chunks)
+                    if i not in lps and chunk.is_sample and on_device(chunk.request.params, mode)
+                    and (chunk.request.params.is_greedy or i in drawn or i in drawn_now)]
+            if late:
+                tokens = [drawn_now[i] if i in drawn_now else greedy[spans[i][1] - 1] for i in late]
+                lps.update(compute_logprobs(logits, late, device_index([spans[i][1] - 1 for i in late], logits.device),
+                                            device_index(tokens, logits.device),
+                                            [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
+        results = []
+        for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
+            req = chunk.request
+            sample = None
+            params = req.params
+            if i in drawn or (chunk.is_sample and params.is_greedy and (i in lps or not wants_logprobs(params))
+                              and (not params.adjusts_logits or i in adjusted)):
+                sample = SampleResult(greedy[last - 1], *lps.get(i, (None, None)))
+            elif i in drawn_now:
+                sample = SampleResult(drawn_now[i], *lps.get(i, (None, None)))
+            elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
+                sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
+                                    req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted)
+            plp: list[float] = []
+            if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
+                end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)
+                plp = prompt_logprobs(logits[first:last], req.token_slice(chunk.start + 1, end))
+            results.append(ChunkResult(req.request_id, sample, tuple(plp)))
+        return results
+
+    def _generator(self, req: Request) -> torch.Generator | None:
+        """A generator seeded by (request seed, output position).
+
+        Seeding per position rather than carrying one generator along makes a
+        token depend only on its seed and index, so a request whose first token
+        was sampled by a prefill engine continues exactly as it would have on
+        one engine."""
+        if req.params.is_greedy:
+            return None
+        return make_generator(self.row_seed(req), self.device)
+
+    def row_seed(self, req: Request) -> int:
+        """The seed of `req`'s next token: (request seed, output position) mixed."""
+        seed = req.params.seed
+        if seed is None:
+            seed = self._base_seeds.get(req.request_id)
+            if seed is None:
+                seed = self._base_seeds[req.request_id] = int(
+                    torch.randint(0, 2**62, (1,), generator=self._seed_source)
+                )
+        position = req.params.output_offset + len(req.output_token_ids)  # a resumed stream goes on counting
+        return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % (2**63 - 1)
