@@ -7,8 +7,8 @@ device: the host holds a placeholder for it. That token is the step's input id f
 the counts a penalty needs are the host-known output plus that one id (`fed`), added on the
 device; no host sync. Rows that want log-probs are left alone — sampled on the host from the
 model's own logits (raw log-probs), adjusting a copy (engine/logit_slots.py `adjust_once`) —
-except in a decode step's launch, which takes their raw log-softmax first and then adjusts them
-with the others (`also`; engine/step_logprobs.py).
+except, in `raw_logprobs` mode, in a decode step's launch, which takes their raw log-softmax
+first and then adjusts them with the others (`also`; engine/step_logprobs.py).
 
 Each request's counts and bias live on the device (engine/logit_slots.py): a step sends the ids
 its rows produced since their last adjustment, and one kernel launch adjusts every row
@@ -26,11 +26,12 @@ from collections.abc import Collection, Sequence
 import torch
 
 from splitserve.engine.logit_slots import LogitSlots
+from splitserve.engine.step_logprobs import wants_logprobs
 
 
 def adjusts_in_place(params) -> bool:
     """A row adjusted in the step's logits: a bias or penalty, and no log-probs wanted."""
-    return params.adjusts_logits and not params.return_log_probs and not params.top_n_logprobs
+    return params.adjusts_logits and not wants_logprobs(params)
 
 
 def adjusted_rows(chunks, skip: Collection[int] = ()) -> list[int]:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from splitserve.engine.step_logprobs import wants_logprobs
+
 PLACEHOLDER = -1
 """Stands for a token still on the device; never fed to the model (see `feed`)."""
 
@@ -65,9 +67,7 @@ def can_run_ahead(engine, out, pending) -> bool:
         params = req.params
         if chunk.num_tokens != 1 or not chunk.is_sample:
             return False
-        if not (params.is_greedy or i in pending.drawn) or (
-            (params.return_log_probs or params.top_n_logprobs) and i not in logprob_rows
-        ):
+        if not (params.is_greedy or i in pending.drawn) or (wants_logprobs(params) and i not in logprob_rows):
             return False
     return alive > 0 and alive == len(sched.running) and engine.pool.num_available >= alive
 
