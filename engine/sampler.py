@@ -45,10 +45,12 @@ def sample_row(
     logprobs_mode: str,
     output_ids: Sequence[int] = (),
     preadjusted: bool = False,
+    token_only: bool = False,
 ) -> SampleResult:
     """logits [vocab] float32 -> the next token (and its log-probs when asked); `output_ids`:
     the request's output so far, for its penalties (engine/logit_slots.py `adjust_once`); `preadjusted`: the row's
-    adjustments are already in `logits` (engine/adjusted_rows.py)."""
+    adjustments are already in `logits` (engine/adjusted_rows.py); `token_only`: no log-probs
+    (their caller takes them elsewhere: engine/step_logprobs.py)."""
     adjust = params.adjusts_logits and not preadjusted
     scored = adjust_once(logits, params, output_ids) if adjust else logits
     if params.is_greedy:
@@ -58,7 +60,7 @@ def sample_row(
         processed = process_logits(scored, params)
         probs = torch.softmax(processed, dim=-1)
         token = int(torch.multinomial(probs, 1, generator=generator))
-    if not params.return_log_probs and not params.top_n_logprobs:
+    if token_only or (not params.return_log_probs and not params.top_n_logprobs):
         return SampleResult(token)
     basis = processed if (logprobs_mode == "processed_logprobs" and processed is not None) else logits
     logprobs = torch.log_softmax(basis, dim=-1)

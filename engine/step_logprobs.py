@@ -70,8 +70,8 @@ class StepLogprobs:
 
 
 def log_softmax_rows(logits: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """[len(rows), vocab] float32 log-probs of logits rows `rows` (a `device_index`; None: every
-    row, in order): one kernel, the host sampler's arithmetic."""
+    """[len(rows), vocab] float32 log-probs of logits rows `rows` (an index tensor on their
+    device; None: every row, in order): one kernel, the host sampler's arithmetic."""
     picked = logits if rows is None else logits.index_select(0, rows)
     return torch.log_softmax(picked.float(), dim=-1)
 
@@ -80,9 +80,10 @@ def compute(
     logits: torch.Tensor, chunks: Sequence[int], rows: torch.Tensor | None, tokens: torch.Tensor,
     top_n: Sequence[int],
 ) -> StepLogprobs:
-    """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (a
-    `device_index`; None: every row, in order) for `chunks`; each row's top `top_n[j]`. Queued
-    on the device; on CUDA the results are copied to pinned host memory without waiting."""
+    """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (an
+    index tensor on their device; None: every row, in order) for `chunks`; each row's top
+    `top_n[j]`. Queued on the device; on CUDA the results are copied to pinned host memory
+    without waiting."""
     return finish(log_softmax_rows(logits, rows), chunks, tokens, top_n)
 
 
@@ -96,15 +97,6 @@ def finish(logprobs: torch.Tensor, chunks: Sequence[int], tokens: torch.Tensor, 
     if logprobs.is_cuda:
         chosen, values, ids = (_to_pinned(t) if t is not None else None for t in (chosen, values, ids))
     return StepLogprobs(tuple(chunks), chosen, values, ids, tuple(top_n))
-
-
-def device_index(rows: Sequence[int], device: torch.device) -> torch.Tensor:
-    """`rows` as an index tensor on `device`, without waiting for the device: from pinned
-    memory (a copy from pageable memory would wait for the stream, i.e. for the step)."""
-    index = torch.tensor(list(rows), dtype=torch.long)
-    if device.type != "cuda":
-        return index
-    return index.pin_memory().to(device, non_blocking=True)
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

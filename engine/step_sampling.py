@@ -22,12 +22,12 @@ from splitserve.engine.device_sampler import (
     draw_rows,
     sampled_rows,
 )
+from splitserve.engine.devices import to_device
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
 from splitserve.engine.step_logprobs import (
     StepLogprobs,
-    device_index,
     log_softmax_rows,
     on_device,
     wants_logprobs,
@@ -98,7 +98,7 @@ class StepSampling:
         if self.ps.is_driver:
             chunks = out.chunks
             lp_rows = self._logprob_rows_at_launch(out)
-            index = None if len(lp_rows) == len(chunks) else device_index(lp_rows, logits.device)
+            index = None if len(lp_rows) == len(chunks) else to_device(lp_rows, torch.long, logits.device)
             taken = log_softmax_rows(logits, index) if lp_rows else None  # before any row is adjusted
             also = [i for i in lp_rows if chunks[i].request.params.adjusts_logits]
             adjusted = adjust_at_launch(self.logit_slots, chunks, logits, greedy, fed, also)
@@ -153,13 +153,13 @@ class StepSampling:
             if len(picked) == len(tokens):
                 tokens.copy_(drawn)
             else:
-                tokens.index_copy_(0, device_index(picked, tokens.device), drawn)
+                tokens.index_copy_(0, to_device(picked, torch.long, tokens.device), drawn)
             return frozenset(picked)
         picked = sorted(set(sampled_rows(out.chunks, self.config.logprobs_mode)) | raw_taken)
         for i in picked:
             req = out.chunks[i].request
             tokens[i] = sample_row(logits[i], req.params, self._generator(req), self.config.logprobs_mode,
-                                   preadjusted=i in adjusted).token_id
+                                   preadjusted=i in adjusted, token_only=True).token_id
         return frozenset(picked)
 
     @torch.inference_mode()
@@ -223,8 +223,8 @@ class StepSampling:
                     and (chunk.request.params.is_greedy or i in drawn or i in drawn_now)]
             if late:
                 tokens = [drawn_now[i] if i in drawn_now else greedy[spans[i][1] - 1] for i in late]
-                lps.update(compute_logprobs(logits, late, device_index([spans[i][1] - 1 for i in late], logits.device),
-                                            device_index(tokens, logits.device),
+                lps.update(compute_logprobs(logits, late, to_device([spans[i][1] - 1 for i in late], torch.long, logits.device),
+                                            to_device(tokens, torch.long, logits.device),
                                             [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
         results = []
         for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
