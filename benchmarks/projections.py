@@ -14,7 +14,7 @@ partials over K ranges), `gate_up` with SwiGLU (cuBLAS + `silu_and_mul`; ours do
 projection's kernel).
 
 Columns: cuBLAS with PDL on and off (the norm's PDL is all that differs), ours with the config
-of `kernels.linear.projection_config` (or, with `--sweep`, the best of a sweep) with PDL on and
+of `kernels.projection_configs.projection_config` (or, with `--sweep`, the best of a sweep) with PDL on and
 off, and ours ÷ cuBLAS with PDL on — the decision `projection_config` encodes.
 
     python benchmarks/projections.py            # the table's configs (~30 s on an H200)
@@ -197,14 +197,14 @@ def main() -> None:
     parser.add_argument("--rows", default="1,64", help="decode batch sizes (rows of x)")
     parser.add_argument("--kinds", default=",".join(SHAPES), help="projections to time")
     args = parser.parse_args()
-    from splitserve.kernels.linear import _PROJECTION_CONFIGS
+    from splitserve.kernels.projection_configs import PROJECTION_CONFIGS
 
     grid = parse_grid(args.grid)
     print(f"{'rows':>4} {'proj':>9} {'norm':>6} {'cuBLAS':>7} {'pdl off':>7} {'ours':>7} {'pdl off':>7} {'ours/cuBLAS':>11}  config")
     for rows in (int(r) for r in args.rows.split(",")):
         for kind in args.kinds.split(","):
             n, k = SHAPES[kind]
-            config = sweep(kind, rows, n, k, grid) if args.sweep else _PROJECTION_CONFIGS[kind][rows > 16]
+            config = sweep(kind, rows, n, k, grid) if args.sweep else PROJECTION_CONFIGS[kind][rows > 16]
             label = {"qkv": "qkv+rope", "o": "o+norm", "down": "down+norm", "gate_up": "gate_up+act"}.get(kind, kind)
             if config is not None:
                 check(kind, config, rows, n, k)

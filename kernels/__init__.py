@@ -25,7 +25,9 @@ __all__ = [
     "apply_rotary_qk_and_write_kv",
     "adjust_logit_rows",
     "argmax_rows",
+    "RowNorm",
     "decode_linear",
+    "decode_linear_add",
     "decode_linear_glu",
     "decode_linear_partials",
     "decode_qkv_rotary",
@@ -55,7 +57,9 @@ _LAZY = {
     "adjust_logit_rows": "logit_adjust",
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
+    "RowNorm": "linear",
     "decode_linear": "linear",
+    "decode_linear_add": "linear",
     "decode_linear_glu": "linear",
     "decode_linear_partials": "linear",
     "decode_qkv_rotary": "qkv_rotary",
@@ -71,7 +75,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv
-    from .linear import decode_linear, decode_linear_glu, decode_linear_partials
+    from .linear import RowNorm, decode_linear, decode_linear_add, decode_linear_glu, decode_linear_partials
     from .logit_adjust import adjust_logit_rows
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention

@@ -13,28 +13,30 @@ and stores the result in the asked dtype, so fp32 logits need no second pass.
 Decoder-layer projections use it too, but only where it is launched with
 programmatic dependent launch (Hopper): on its own the kernel at best matched
 cuBLAS there (benchmarks/RESULTS.md, 2026-12-02); overlapping its launch with
-the previous kernel's drain is what wins (`projection_config`).
+the previous kernel's drain is what wins (`kernels.projection_configs`).
 """
 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from ._common import cdiv, check_last_dim_contiguous, cuda_major, dot_precision, next_power_of_2
-from ._pdl import pdl_launch, pdl_mode, wait_for_producer
+from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
+from ._pdl import pdl_launch, wait_for_producer
 
 __all__ = [
     "MAX_ROWS",
     "LinearConfig",
+    "RowNorm",
     "decode_linear",
+    "decode_linear_add",
     "decode_linear_glu",
     "decode_linear_partials",
     "linear_reference",
-    "projection_config",
 ]
 
 MAX_ROWS = 64
@@ -59,26 +61,48 @@ def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL
 
 
 @triton.jit
+def x_tile(x_rows, cols, mask_m, k_end, rstd, nw_ptr, NORM: tl.constexpr):
+    """x rows' columns `cols` [BLOCK_M, BLOCK_K]; NORM: RMSNorm-ed on the way in (rows' 1 / rms
+    `rstd`, the norm's weight at `nw_ptr`), rounded as `kernels.rms_norm` rounds them."""
+    x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
+    if NORM:
+        nw = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(tl.float32)
+        x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
+    return x
+
+
+@triton.jit
 def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr, rstd=0, nw_ptr=0, NORM: tl.constexpr = False):
     """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
     (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
-    every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`)."""
+    every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`).
+    NORM: x is normalized as it streams (`x_tile`)."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_loop = k_start
     if EARLY:
-        x = tl.load(x_rows + (k_start + offs_k)[None, :], mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :],
-                    other=0.0)
+        x = x_tile(x_rows, k_start + offs_k, mask_m, k_end, rstd, nw_ptr, NORM)
         acc = tl.dot(x, tl.trans(w_first), acc, input_precision=DOT_PRECISION)
         k_loop = k_start + BLOCK_K
     for k in range(k_loop, k_end, BLOCK_K):
         cols = k + offs_k
         w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
-        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
+        x = x_tile(x_rows, cols, mask_m, k_end, rstd, nw_ptr, NORM)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
+
+
+@triton.jit
+def rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K: tl.constexpr, PARTS: tl.constexpr,
+              PARTS_BLOCK: tl.constexpr):
+    """1 / rms of x's rows from the PARTS partial sums of their squares at `sq_ptr` [PARTS, M]
+    (`decode_linear_add`'s), summed in a fixed order: rsqrt(mean(x^2) + eps) as `rms_norm`."""
+    p = tl.arange(0, PARTS_BLOCK)
+    sq = tl.load(sq_ptr + p[:, None] * stride_sq + offs_m[None, :], mask=(p < PARTS)[:, None] & mask_m[None, :],
+                 other=0.0)
+    return 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
 
 
 @triton.jit
@@ -92,12 +116,16 @@ def _linear_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    sq_ptr,
+    nw_ptr,
     M,
     N,
     stride_xm,
     stride_wn,
     stride_om,
     stride_os,
+    stride_sq,
+    eps,
     K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -106,12 +134,20 @@ def _linear_kernel(
     DOT_PRECISION: tl.constexpr,
     GLU: tl.constexpr,
     EARLY: tl.constexpr,
+    ADD: tl.constexpr,
+    NORM: tl.constexpr,
+    PARTS: tl.constexpr,
+    PARTS_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
     the matching up rows (one tile: two tiles of half the rows, streamed as a pair, were ~0.5 µs
     a layer slower on an H200), and it stores silu(gate) * up, rounded as `silu_and_mul` rounds
-    the unfused product."""
+    the unfused product.
+    ADD: out is the residual stream, updated in place to round(out + round(x @ w^T)), and program
+    n stores its columns' sums of squares of the new rows at sq_ptr[n] (`decode_linear_add`).
+    NORM: x is RMSNorm-ed as it streams, its rows' statistics from PARTS such sums at sq_ptr
+    and the norm's weight at nw_ptr."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -130,8 +166,11 @@ def _linear_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_first = first_weight_tile(w_rows, cols_n < N, k_start, k_end, BLOCK_K, PDL, EARLY)
+    rstd = 0.0
+    if NORM:
+        rstd = rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)
     acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_PRECISION, EARLY)
+                             DOT_PRECISION, EARLY, rstd, nw_ptr, NORM)
     dtype = out_ptr.dtype.element_ty
     if GLU:
         acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
@@ -139,7 +178,12 @@ def _linear_kernel(
         act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         acc = act * acc_up.to(dtype).to(tl.float32)
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(dtype), mask=mask_m[:, None] & (offs_n < N)[None, :])
+    mask = mask_m[:, None] & (offs_n < N)[None, :]
+    if ADD:  # the residual add of the next RMSNorm, and that norm's statistics in part
+        res = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc = (acc.to(dtype).to(tl.float32) + res).to(dtype).to(tl.float32)
+        tl.store(sq_ptr + tl.program_id(0) * stride_sq + offs_m, tl.sum(acc * acc, 1), mask=mask_m)
+    tl.store(out_ptrs, acc.to(dtype), mask=mask)
 
 
 def early_weights(splits: int) -> bool:
@@ -165,53 +209,6 @@ class LinearConfig(tuple):
     @property
     def splits(self) -> int:
         return self[4]
-
-
-_PROJECTION_CONFIGS = {
-    # kind: (config for <= 16 rows, config for 17..64 rows; None = cuBLAS)
-    "qkv": (LinearConfig(32, 512, 2, 4), LinearConfig(32, 256, 4, 4)),
-    "o": (LinearConfig(16, 512, 2, 4), LinearConfig(16, 256, 4, 4)),
-    "gate_up": (LinearConfig(32, 128, 2, 3), LinearConfig(64, 128, 4, 3)),
-    "down": (LinearConfig(16, 512, 2, 5), LinearConfig(64, 128, 4, 4, splits=4)),
-}
-
-
-def projection_config(
-    kind: str, rows: int, device: torch.device, dtype: torch.dtype = torch.bfloat16
-) -> LinearConfig | None:
-    """The config under which `decode_linear` beats cuBLAS for a decoder layer's projection
-    (`kind`: qkv, o, gate_up, down) of `rows` tokens in `dtype`, or None where cuBLAS stays
-    faster or it was not measured (4-byte dtypes: the fp32 path is a parity reference).
-
-    The gain is programmatic dependent launch (kernels/_pdl.py): launched early, the kernel's
-    grid is up while the previous kernel drains, and it lets the next one do the same; cuBLAS
-    launches take part in neither. Without PDL this kernel only ties cuBLAS (or loses: the
-    batch-64 `down` projection, K = 8192, where cuBLAS splits K), so it is used only where PDL is
-    on and only on Hopper (compute capability 9.x), where the table was measured: a 16-layer
-    chain of RMSNorm + projection in a CUDA graph, Llama-3.2-1B shapes, on an H200, µs a layer,
-    cuBLAS -> ours: 1 row qkv 7.7-8.4 -> 6.8, o 7.9 -> 5.9, gate_up 20.9 -> 19.0, down 15.1 ->
-    13.5; 64 rows qkv 8.9-9.2 -> 8.0, o 8.4 -> 6.9, gate_up 22.4 -> 21.0, down 16.3 vs 18.0
-    unsplit, so there `down` is split over K in 4 (cuBLAS splits it too, then reduces in a kernel of
-    its own): its fp32 partials go to the next add+RMSNorm, which sums them (`rms_norm` takes
-    them as x); down + reduce + add&norm 15.2-15.5 -> 13.3 (benchmarks/RESULTS.md, 2026-12-03
-    session 13). Session 14 timed each projection with its consumer (`benchmarks/projections.py`):
-    `gate_up` carries SwiGLU in its epilogue (`decode_linear_glu`; with the act, 1 row 21.2 ->
-    19.2, 64 rows 23.2 -> 21.0). Splitting `o` gained nothing at either size; splitting the
-    one-row `down` in 4 won in the chain (with the add&norm 15.3 -> 13.6) but not in the engine
-    (batch-1 replay 0.962 -> 0.966 ms), so the table keeps it whole. Session 15: `qkv` carries
-    rotary and the KV write in its epilogue (`kernels.qkv_rotary`; with them, 1 row 8.1 -> 7.7,
-    64 rows 9.9-10.1 -> 8.9), and a paired kernel streams one gathered tile rather than two half
-    tiles (SwiGLU 1 row 19.4 -> 18.7, 64 rows 21.0 -> 20.6).
-    A split config is for callers that take partials (`decode_linear_partials`).
-    The larger tiles need Hopper's shared memory.
-    """
-    if rows > MAX_ROWS or kind not in _PROJECTION_CONFIGS or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if pdl_mode(device) == 0:
-        return None
-    if cuda_major(device) != 9:  # Hopper: where the table was measured
-        return None
-    return _PROJECTION_CONFIGS[kind][rows > 16]
 
 
 def row_tile(rows: int) -> int:
@@ -244,17 +241,47 @@ def decode_linear(
     return _launch(x, weight, out_dtype, config)
 
 
-def decode_linear_glu(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None) -> torch.Tensor:
+def decode_linear_glu(
+    x: torch.Tensor, weight: torch.Tensor, config: LinearConfig | None = None, norm: RowNorm | None = None
+) -> torch.Tensor:
     """SwiGLU of a fused gate/up projection in one launch: x [M, K], weight [2I, K] (gate rows
     first) -> silu(x @ gate^T) * (x @ up^T) [M, I] in x.dtype, rounded as `silu_and_mul` of
     `decode_linear`'s result (each product rounded, then silu, then the product). A program
     reads `config.block_n` weight rows, half gate and half up, so a config keeps the tile
-    bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go."""
+    bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go.
+    `norm`: x is the residual stream a `decode_linear_add` just wrote, and the projection is of
+    `rms_norm(x, norm.weight, norm.eps)`, normalized as it streams (the norm's launch goes too)."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"weight must be [2 * I, K], got {tuple(weight.shape)}")
     if config is not None and config.splits != 1:
         raise ValueError("decode_linear_glu() takes an unsplit config: silu of partial sums is not their silu")
-    return _launch(x, weight, None, config, glu=True)
+    return _launch(x, weight, None, config, glu=True, norm=norm)
+
+
+class RowNorm(NamedTuple):
+    """An RMSNorm to fold into the next projection (`decode_linear_glu(..., norm=)`): its weight
+    [K] and eps, and `squares`, the partial sums of squares of x's rows that `decode_linear_add`
+    returned with x."""
+
+    weight: torch.Tensor
+    eps: float
+    squares: torch.Tensor
+
+
+def decode_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: LinearConfig | None = None
+                      ) -> torch.Tensor:
+    """The projection of x [M, K] by weight [N, K] added to the residual stream [M, N] in place,
+    rounded as `rms_norm(..., residual=)` adds `decode_linear`'s result: residual <-
+    round(residual + round(x @ w^T)). Returns fp32 [P, M]: each of the kernel's P column tiles'
+    sums of squares of the new rows, the statistics of the next RMSNorm (`RowNorm`), which the
+    next projection then takes in its own launch instead of a norm kernel of its own."""
+    if residual.dim() != 2 or residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit x {tuple(x.shape)} "
+                         f"{x.dtype} @ weight {tuple(weight.shape)}^T")
+    if config is not None and config.splits != 1:
+        raise ValueError("decode_linear_add() takes an unsplit config")
+    check_last_dim_contiguous("residual", residual)
+    return _launch(x, weight, None, config, residual=residual)
 
 
 def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: LinearConfig) -> torch.Tensor:
@@ -264,7 +291,8 @@ def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: Linear
     return _launch(x, weight, torch.float32, config)
 
 
-def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
+def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm: RowNorm | None = None):
+    """`out`, or with `residual` the squares' partials (`decode_linear_add`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
     rows, k = x.shape
@@ -281,18 +309,28 @@ def _launch(x, weight, out_dtype, config, glu: bool = False) -> torch.Tensor:
     block_k = min(block_k, max(16, next_power_of_2(k)))
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
-    out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
+    tiles = cdiv(n, block_n // 2 if glu else block_n)
+    if residual is not None:
+        out = residual
+        squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
+        squares = norm.squares if norm is not None else x
+    if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows or norm.weight.shape != (k,)):
+        raise ValueError(f"norm weight {tuple(norm.weight.shape)} / squares {tuple(norm.squares.shape)} do not fit x {tuple(x.shape)}")
     early = early_weights(ranges)
-    if rows == 0:
-        return out
-    _linear_kernel[(cdiv(n, block_n // 2 if glu else block_n), ranges)](
-        x, weight, out, rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0,
-        K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, num_warps=num_warps,
-        num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
-        **pdl_launch(x.device),
-    )
-    return out
+    if rows > 0:
+        _linear_kernel[(tiles, ranges)](
+            x, weight, out, squares, norm.weight if norm is not None else x, rows, n, x.stride(0), weight.stride(0),
+            out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0), norm.eps if norm is not None else 0.0,
+            K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
+            DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
+            PARTS=norm.squares.shape[0] if norm is not None else 1,
+            PARTS_BLOCK=next_power_of_2(norm.squares.shape[0]) if norm is not None else 1, num_warps=num_warps,
+            num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
+            **pdl_launch(x.device),
+        )
+    return squares if residual is not None else out
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -8,7 +8,8 @@ inside a CUDA graph. This form runs per layer
     add+RMSNorm -> qkv GEMM -> rotary(q, k) + write_kv -> attention -> o GEMM
                    (one kernel at decode sizes on Hopper)
     -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
-                      (one kernel at decode sizes on Hopper)
+       (the add and the norm's statistics in the o kernel's epilogue, the norm, GEMM and
+        silu*mul in one kernel at decode sizes on Hopper)
 
 carrying the residual stream separately (`residual`), so each residual add
 rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
@@ -39,7 +40,7 @@ from splitserve.engine.attention import (
     paged_attention,
     triton_attention_written,
 )
-from splitserve.kernels.linear import projection_config
+from splitserve.kernels.projection_configs import projection_config
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -77,11 +78,11 @@ def _project(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: str, partials: bool = False
 ) -> torch.Tensor:
     """F.linear, or at decode sizes on Hopper with PDL our weight-streaming kernel where it was
-    measured faster (`kernels.linear.projection_config`); same fp32 accumulation, one rounding.
+    measured faster (`kernels.projection_configs`); same fp32 accumulation, one rounding.
     `partials`: the caller also takes fp32 split-K partials [S, T, N] (a split config's result,
     summed and rounded by the next add+RMSNorm)."""
     config = _own_config(kind, x) if bias is None else None
-    if config is not None and config.splits == 1:
+    if _unsplit(config):
         return kernels.decode_linear(x, weight, config=config)
     if config is not None and partials:
         return kernels.decode_linear_partials(x, weight, config)
@@ -94,10 +95,11 @@ def _own_config(kind: str, x: torch.Tensor):
 
 
 def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """The attention heads' output [T, heads * head_dim] of normed x [T, H], before the o projection."""
     t, d = x.shape[0], attn.head_dim
     triton_kv = meta.backend in TRITON_KERNEL_BACKENDS
     config = _own_config("qkv", x) if triton_kv and attn.qkv_bias is None else None
-    if config is not None and config.splits == 1:  # projection, rotary and the KV write: one launch
+    if _unsplit(config):  # projection, rotary and the KV write: one launch
         q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
@@ -112,7 +114,33 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
         else:
             kernels.apply_rotary_qk(q, k, cos, sin)
             o = paged_attention(q, k, v, kv, meta, attn.scale)
-    return attn.ps.all_reduce_tp(_project(o.reshape(t, -1), attn.o_proj.weight, attn.o_proj.bias, "o"))
+    return o.reshape(t, -1)
+
+
+_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "1") != "0"
+"""`SPLITSERVE_FOLD_NORM=0` keeps the post-attention add+RMSNorm a kernel of its own (an A/B switch)."""
+
+
+def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the MLP from the attention heads' output o: the o projection, the
+    residual add (`residual` updated in place), the post-attention RMSNorm, the gate_up
+    projection and SwiGLU. Where both projections run ours on one TP rank the norm takes no
+    launch: the o kernel adds the residual and sums the new rows' squares per column tile in
+    its epilogue (`kernels.decode_linear_add`), the gate_up kernel normalizes x as it streams it
+    (`kernels.RowNorm`) — the same roundings as the norm kernel, statistics summed in another
+    order."""
+    attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
+    o_config, gu_config = _own_config("o", o), _own_config("gate_up", residual)
+    if (_FOLD_NORM and attn.ps.tp_size == 1 and attn.o_proj.bias is None and o.dtype == residual.dtype
+            and _unsplit(o_config) and _unsplit(gu_config)):
+        squares = kernels.decode_linear_add(o, attn.o_proj.weight, residual, o_config)
+        return kernels.decode_linear_glu(residual, mlp.gate_up_weight, gu_config, kernels.RowNorm(norm.weight, norm.eps, squares))
+    out = attn.ps.all_reduce_tp(_project(o, attn.o_proj.weight, attn.o_proj.bias, "o"))
+    return _gate_up_act(kernels.rms_norm(out, norm.weight, norm.eps, residual=residual), mlp.gate_up_weight)
+
+
+def _unsplit(config) -> bool:
+    return config is not None and config.splits == 1
 
 
 def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -120,15 +148,14 @@ def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     runs ours (`kernels.decode_linear_glu`: no [T, 2I] intermediate, one launch less a layer),
     else cuBLAS then `kernels.silu_and_mul`; the same roundings either way."""
     config = _own_config("gate_up", x)
-    if config is not None and config.splits == 1:
+    if _unsplit(config):
         return kernels.decode_linear_glu(x, weight, config)
     return kernels.silu_and_mul(F.linear(x, weight))
 
 
-def _mlp(mlp, x: torch.Tensor) -> torch.Tensor:
+def _down(mlp, act: torch.Tensor) -> torch.Tensor:
     """[T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials [S, T, H] for the
     next layer's add+RMSNorm to sum."""
-    act = _gate_up_act(x, mlp.gate_up_weight)
     down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
     return mlp.ps.all_reduce_tp(down)
 
@@ -149,17 +176,16 @@ def fused_layers_forward(
     residual = None
     x = hidden
     for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
-        norm_in, norm_post = layer.input_layernorm, layer.post_attention_layernorm
+        norm_in = layer.input_layernorm
         if residual is None:
             residual = x
             h = kernels.rms_norm(x, norm_in.weight, norm_in.eps)
         else:
             h = kernels.rms_norm(x, norm_in.weight, norm_in.eps, residual=residual)
-        attn_out = _attention(layer.self_attn, h, cos, sin, kv, meta)
+        o = _attention(layer.self_attn, h, cos, sin, kv, meta)
         if after_layer is not None:
             after_layer(i)
-        h = kernels.rms_norm(attn_out, norm_post.weight, norm_post.eps, residual=residual)
-        x = _mlp(layer.mlp, h)
+        x = _down(layer.mlp, _post_attention(layer, o, residual))
     if residual is None:
         return hidden
     if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would

@@ -29,7 +29,8 @@ from splitserve.engine.models import fused
 from splitserve.kernels.linear import LinearConfig
 # "fused_own": every projection through our kernel (as on Hopper), rotary and the KV write in the qkv
 # kernel (the qkv bias of qwen2 keeps it on the unfused path), SwiGLU in the gate_up kernel, the
-# MLP's down projection split over K into partials that the next add+RMSNorm sums; forced here,
+# MLP's down projection split over K into partials that the next add+RMSNorm sums, the post-attention
+# add+RMSNorm folded into the o and gate_up kernels; forced here,
 # where none is measured faster
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
@@ -43,14 +44,14 @@ for name in ("torch", "triton", "fused", "fused_own"):
     if name == "fused_own":
         fused.projection_config = lambda kind, rows, device, dtype: OWN[kind]
         launched = []
-        for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary"):
+        for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"):
             own = getattr(fused.kernels, fn)
             setattr(fused.kernels, fn, lambda *a, _own=own, _fn=fn: launched.append(_fn) or _own(*a))
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
     if name == "fused_own":
-        want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary"}
+        want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"}
         if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:
             want.remove("decode_qkv_rotary")
         assert set(launched) == want, launched

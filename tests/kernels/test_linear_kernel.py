@@ -63,9 +63,9 @@ def test_decode_linear_rejects_bad_shapes(device):
 def test_every_projection_config_of_the_table_computes_the_product(kind, rows, device):
     """The decoder-layer configs (`projection_config`'s table: 512-wide K tiles, 16-row N tiles)
     on shapes that are not multiples of their tiles, whichever device runs them."""
-    from splitserve.kernels.linear import _PROJECTION_CONFIGS
+    from splitserve.kernels.projection_configs import PROJECTION_CONFIGS
 
-    config = _PROJECTION_CONFIGS[kind][rows > 16]
+    config = PROJECTION_CONFIGS[kind][rows > 16]
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 600, generator=g).half().to(device)
     w = (0.1 * torch.randn(70, 600, generator=g)).half().to(device)
@@ -90,7 +90,7 @@ def test_split_partials_sum_to_the_product(k, splits, ranges, device):
 
 
 def test_projections_stay_on_cublas_without_programmatic_dependent_launch(monkeypatch):
-    from splitserve.kernels.linear import projection_config
+    from splitserve.kernels.projection_configs import projection_config
 
     assert projection_config("qkv", 1, torch.device("cpu")) is None  # no PDL off CUDA
     if torch.cuda.is_available():
@@ -119,3 +119,42 @@ def test_glu_is_silu_and_mul_of_the_projection(rows, inter, k, config, dtype, de
         decode_linear_glu(x, w, LinearConfig(32, 64, splits=2))
     with pytest.raises(ValueError, match="2 \\* I"):
         decode_linear_glu(x, w[1:], config)
+
+
+@pytest.mark.parametrize("rows,hidden,k,inter,o_config,gu_config", [
+    (1, 80, 48, 40, LinearConfig(16, 32, 4, 2), LinearConfig(32, 32, 4, 2)),  # hidden not a multiple of the tiles
+    (19, 64, 96, 48, LinearConfig(32, 64, 4, 2), LinearConfig(64, 16, 4, 2)),
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_post_attention_norm_folded_into_the_projections(rows, hidden, k, inter, o_config, gu_config, dtype, device):
+    """o projection + residual add + RMSNorm + gate_up + SwiGLU in two launches (the add and the
+    norm's statistics in the first's epilogue, the norm in the second's prologue) = the unfused
+    `decode_linear`, `rms_norm(residual=)`, `decode_linear_glu`: the residual stream exactly,
+    the activation as the unfused kernels round it (fp32 sums in another order: 1e-5 in fp32,
+    a unit of fp16's last place where a near-tie rounds the other way)."""
+    from splitserve.kernels.linear import RowNorm, decode_linear_add
+    from splitserve.kernels.norm import rms_norm
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    x = torch.randn(rows, k, generator=g).to(dtype).to(device)
+    w_o = (0.2 * torch.randn(hidden, k, generator=g)).to(dtype).to(device)
+    residual = torch.randn(rows, hidden, generator=g).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype).to(device)
+    w_gu = (0.1 * torch.randn(2 * inter, hidden, generator=g)).to(dtype).to(device)
+
+    want_res = residual.clone()
+    want = decode_linear_glu(rms_norm(decode_linear(x, w_o, config=o_config), norm_w, 1e-5, residual=want_res), w_gu,
+                             gu_config)
+    got_res = residual.clone()
+    squares = decode_linear_add(x, w_o, got_res, o_config)
+    assert squares.shape == (-(-hidden // o_config[0]), rows) and squares.dtype == torch.float32
+    torch.testing.assert_close(squares.sum(0), got_res.float().square().sum(1), rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_res, want_res)
+    got = decode_linear_glu(got_res, w_gu, gu_config, norm=RowNorm(norm_w, 1e-5, squares))
+    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    assert not torch.allclose(got, decode_linear_glu(got_res, w_gu, gu_config), rtol=tol, atol=tol)  # the norm is taken
+    with pytest.raises(ValueError, match="does not fit"):
+        decode_linear_add(x, w_o, residual[:, 1:], o_config)
+    with pytest.raises(ValueError, match="do not fit"):
+        decode_linear_glu(got_res, w_gu, gu_config, norm=RowNorm(norm_w[1:], 1e-5, squares))
