@@ -11,6 +11,9 @@ inside a CUDA graph. This form runs per layer
        (the add and the norm's statistics in the o kernel's epilogue, the norm, GEMM and
         silu*mul in one kernel at decode sizes on Hopper)
 
+and where the down projection runs unsplit, the next layer's add+RMSNorm folds the same way
+(the add in the down kernel, the norm in the qkv kernel): no norm kernel between layers.
+
 carrying the residual stream separately (`residual`), so each residual add
 rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
 gate/up weights once and re-points the per-projection parameters at views of
@@ -94,13 +97,22 @@ def _own_config(kind: str, x: torch.Tensor):
     return projection_config(kind, x.shape[0], x.device, x.dtype) if _OWN_PROJECTIONS else None
 
 
-def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-    """The attention heads' output [T, heads * head_dim] of normed x [T, H], before the o projection."""
+def _qkv_config(attn, x: torch.Tensor, meta: AttentionMetadata):
+    """The config of our qkv kernel (projection, rotary and the KV write: one launch) where it
+    runs this layer's attention input x, else None."""
+    config = _own_config("qkv", x) if meta.backend in TRITON_KERNEL_BACKENDS and attn.qkv_bias is None else None
+    return config if _unsplit(config) else None
+
+
+def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata, norm=None) -> torch.Tensor:
+    """The attention heads' output [T, heads * head_dim] of normed x [T, H], before the o
+    projection; with `norm` (a `kernels.RowNorm`, only where `_qkv_config` is ours) of x
+    normalized by the qkv kernel."""
     t, d = x.shape[0], attn.head_dim
     triton_kv = meta.backend in TRITON_KERNEL_BACKENDS
-    config = _own_config("qkv", x) if triton_kv and attn.qkv_bias is None else None
-    if _unsplit(config):  # projection, rotary and the KV write: one launch
-        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config)
+    config = _qkv_config(attn, x, meta)
+    if config is not None:
+        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config, norm)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
         qkv = _project(x, attn.qkv_weight, attn.qkv_bias, "qkv")
@@ -118,7 +130,7 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
 
 
 _FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "1") != "0"
-"""`SPLITSERVE_FOLD_NORM=0` keeps the post-attention add+RMSNorm a kernel of its own (an A/B switch)."""
+"""`SPLITSERVE_FOLD_NORM=0` keeps every add+RMSNorm a kernel of its own (an A/B switch)."""
 
 
 def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -153,11 +165,18 @@ def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return kernels.silu_and_mul(F.linear(x, weight))
 
 
-def _down(mlp, act: torch.Tensor) -> torch.Tensor:
-    """[T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials [S, T, H] for the
-    next layer's add+RMSNorm to sum."""
+def _down(mlp, act: torch.Tensor, residual: torch.Tensor | None):
+    """(x, None): x [T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials
+    [S, T, H] for the next layer's add+RMSNorm to sum. Or, given the `residual` to fold into
+    (the next layer's qkv kernel takes the norm) and where the projection runs ours unsplit on
+    one rank: (None, squares) — the residual add done in the down kernel's epilogue
+    (`kernels.decode_linear_add`)."""
+    config = _own_config("down", act)
+    if (residual is not None and _FOLD_NORM and mlp.ps.tp_size == 1 and mlp.down_proj.bias is None
+            and _unsplit(config)):
+        return None, kernels.decode_linear_add(act, mlp.down_proj.weight, residual, config)
     down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
-    return mlp.ps.all_reduce_tp(down)
+    return mlp.ps.all_reduce_tp(down), None
 
 
 def fused_layers_forward(
@@ -173,19 +192,24 @@ def fused_layers_forward(
     (residual stream included), like the unfused loop. `hidden` is consumed: it
     becomes the residual buffer and is updated in place. `after_layer(i)` is called once
     local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
-    residual = None
+    residual = squares = None
     x = hidden
-    for i, (layer, kv) in enumerate(zip(model.layers, kv_caches, strict=True)):
-        norm_in = layer.input_layernorm
+    layers = list(model.layers)
+    for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
+        norm_in, row_norm = layer.input_layernorm, None
         if residual is None:
             residual = x
             h = kernels.rms_norm(x, norm_in.weight, norm_in.eps)
+        elif squares is not None:  # the previous down kernel added into the residual: the norm is the qkv kernel's
+            h, row_norm = residual, kernels.RowNorm(norm_in.weight, norm_in.eps, squares)
         else:
             h = kernels.rms_norm(x, norm_in.weight, norm_in.eps, residual=residual)
-        o = _attention(layer.self_attn, h, cos, sin, kv, meta)
+        o = _attention(layer.self_attn, h, cos, sin, kv, meta, row_norm)
         if after_layer is not None:
             after_layer(i)
-        x = _down(layer.mlp, _post_attention(layer, o, residual))
+        act = _post_attention(layer, o, residual)
+        fold = i + 1 < len(layers) and _qkv_config(layers[i + 1].self_attn, residual, meta) is not None
+        x, squares = _down(layer.mlp, act, residual if fold else None)
     if residual is None:
         return hidden
     if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would

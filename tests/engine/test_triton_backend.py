@@ -32,28 +32,38 @@ from splitserve.kernels.linear import LinearConfig
 # MLP's down projection split over K into partials that the next add+RMSNorm sums, the post-attention
 # add+RMSNorm folded into the o and gate_up kernels; forced here,
 # where none is measured faster
+# "fused_whole": the same with an unsplit down projection, which then adds into the residual stream
+# in its epilogue so that the next layer's qkv kernel takes the input RMSNorm (RowNorm)
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
-for name in ("torch", "triton", "fused", "fused_own"):
+WHOLE = dict(OWN, down=LinearConfig(16, 16, 4, 2))
+for name in ("torch", "triton", "fused", "fused_own", "fused_whole"):
     backend = "torch" if name == "torch" else "triton"
     # device="cpu": Triton's interpreter; on a CUDA host the engine would otherwise pick the GPU
     llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
     assert llm.engine.runner.backend == backend and not llm.engine.runner.model.fused
     if name.startswith("fused"):
         fuse_projections(llm.engine.runner.model)
-    if name == "fused_own":
-        fused.projection_config = lambda kind, rows, device, dtype: OWN[kind]
+    if name in ("fused_own", "fused_whole"):
+        table = OWN if name == "fused_own" else WHOLE
+        fused.projection_config = lambda kind, rows, device, dtype, _t=table: _t[kind]
         launched = []
         for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"):
             own = getattr(fused.kernels, fn)
-            setattr(fused.kernels, fn, lambda *a, _own=own, _fn=fn: launched.append(_fn) or _own(*a))
+            if hasattr(own, "own"):
+                own = own.own
+            wrap = lambda *a, _own=own, _fn=fn: launched.append(_fn + ("+norm" if len(a) > 8 and a[8] else "")) or _own(*a)
+            wrap.own = own
+            setattr(fused.kernels, fn, wrap)
     res = llm.generate(prompts, params)
     llm.engine.check_integrity()
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
-    if name == "fused_own":
+    if name.startswith("fused_"):
         want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"}
+        if name == "fused_whole":  # layer 1's qkv takes the norm of what layer 0's down added
+            want = want - {"decode_linear_partials"} | {"decode_qkv_rotary+norm"}
         if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:
-            want.remove("decode_qkv_rotary")
+            want -= {"decode_qkv_rotary", "decode_qkv_rotary+norm"}
         assert set(launched) == want, launched
 print(json.dumps(out))
 """
@@ -71,7 +81,7 @@ def test_triton_backend_matches_torch(tmp_path, family, shape):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for variant in ("triton", "fused", "fused_own"):
+    for variant in ("triton", "fused", "fused_own", "fused_whole"):
         for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out[variant], strict=True):
             assert k_tokens == t_tokens, variant
             assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4, variant
