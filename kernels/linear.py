@@ -118,6 +118,8 @@ def _linear_kernel(
     out_ptr,
     sq_ptr,
     nw_ptr,
+    res_ptr,
+    count_ptr,
     M,
     N,
     stride_xm,
@@ -125,6 +127,7 @@ def _linear_kernel(
     stride_om,
     stride_os,
     stride_sq,
+    stride_rm,
     eps,
     K: tl.constexpr,
     K_PER_SPLIT: tl.constexpr,
@@ -138,14 +141,19 @@ def _linear_kernel(
     NORM: tl.constexpr,
     PARTS: tl.constexpr,
     PARTS_BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
     the matching up rows (one tile: two tiles of half the rows, streamed as a pair, were ~0.5 µs
     a layer slower on an H200), and it stores silu(gate) * up, rounded as `silu_and_mul` rounds
     the unfused product.
-    ADD: out is the residual stream, updated in place to round(out + round(x @ w^T)), and program
-    n stores its columns' sums of squares of the new rows at sq_ptr[n] (`decode_linear_add`).
+    ADD: the residual stream at res_ptr is updated in place to round(res + round(x @ w^T)), and
+    program n stores its columns' sums of squares of the new rows at sq_ptr[n]
+    (`decode_linear_add`). Split over K (SPLITS ranges), each program stores its fp32 partial at
+    out_ptr and counts itself in at count_ptr[n]; the last of a column tile to arrive sums the
+    partials in range order (as `rms_norm` sums them), does the add, and sets the count back to 0
+    for the next launch.
     NORM: x is RMSNorm-ed as it streams, its rows' statistics from PARTS such sums at sq_ptr
     and the norm's weight at nw_ptr."""
     HALF_N: tl.constexpr = BLOCK_N // 2
@@ -171,7 +179,7 @@ def _linear_kernel(
         rstd = rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)
     acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
                              DOT_PRECISION, EARLY, rstd, nw_ptr, NORM)
-    dtype = out_ptr.dtype.element_ty
+    dtype = res_ptr.dtype.element_ty if ADD else out_ptr.dtype.element_ty
     if GLU:
         acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
         gate = acc_gate.to(dtype).to(tl.float32)
@@ -180,10 +188,26 @@ def _linear_kernel(
     out_ptrs = out_ptr + split.to(tl.int64) * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
     mask = mask_m[:, None] & (offs_n < N)[None, :]
     if ADD:  # the residual add of the next RMSNorm, and that norm's statistics in part
-        res = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
-        acc = (acc.to(dtype).to(tl.float32) + res).to(dtype).to(tl.float32)
-        tl.store(sq_ptr + tl.program_id(0) * stride_sq + offs_m, tl.sum(acc * acc, 1), mask=mask_m)
-    tl.store(out_ptrs, acc.to(dtype), mask=mask)
+        last = True
+        if SPLITS > 1:
+            tl.store(out_ptrs, acc, mask=mask)
+            tl.debug_barrier()  # every thread's partial is stored before the count says so
+            last = tl.atomic_add(count_ptr + tl.program_id(0), 1, sem="acq_rel") == SPLITS - 1
+        if last:
+            if SPLITS > 1:
+                tl.atomic_xchg(count_ptr + tl.program_id(0), 0)
+                part_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+                acc = tl.load(part_ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+                for part in tl.static_range(1, SPLITS):
+                    acc += tl.load(part_ptrs + part * stride_os, mask=mask, other=0.0, cache_modifier=".cg")
+            res_ptrs = res_ptr + offs_m[:, None] * stride_rm + offs_n[None, :]
+            res = tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+            new = (acc.to(dtype).to(tl.float32) + res).to(dtype)
+            tl.store(res_ptrs, new, mask=mask)
+            new32 = new.to(tl.float32)
+            tl.store(sq_ptr + tl.program_id(0) * stride_sq + offs_m, tl.sum(new32 * new32, 1), mask=mask_m)
+    else:
+        tl.store(out_ptrs, acc.to(dtype), mask=mask)
 
 
 def early_weights(splits: int) -> bool:
@@ -274,12 +298,12 @@ def decode_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Ten
     rounded as `rms_norm(..., residual=)` adds `decode_linear`'s result: residual <-
     round(residual + round(x @ w^T)). Returns fp32 [P, M]: each of the kernel's P column tiles'
     sums of squares of the new rows, the statistics of the next RMSNorm (`RowNorm`), which the
-    next projection then takes in its own launch instead of a norm kernel of its own."""
+    next projection then takes in its own launch instead of a norm kernel of its own. A split
+    config sums its partials in the kernel too: the last program of each column tile to finish
+    adds them (`_linear_kernel`), so no reduction takes a launch either."""
     if residual.dim() != 2 or residual.shape != (x.shape[0], weight.shape[0]) or residual.dtype != x.dtype:
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not fit x {tuple(x.shape)} "
                          f"{x.dtype} @ weight {tuple(weight.shape)}^T")
-    if config is not None and config.splits != 1:
-        raise ValueError("decode_linear_add() takes an unsplit config")
     check_last_dim_contiguous("residual", residual)
     return _launch(x, weight, None, config, residual=residual)
 
@@ -310,27 +334,48 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
     k_per_split = cdiv(cdiv(k, splits), block_k) * block_k  # whole K tiles per range
     ranges = cdiv(k, k_per_split)  # a small K may need fewer ranges than asked: that many partials
     tiles = cdiv(n, block_n // 2 if glu else block_n)
-    if residual is not None:
+    if residual is not None and ranges == 1:
         out = residual
-        squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
+    elif residual is not None:  # the split programs' fp32 partials
+        out = torch.empty(ranges, rows, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
-        squares = norm.squares if norm is not None else x
+    squares = x if norm is None else norm.squares
+    if residual is not None:
+        squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
     if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows or norm.weight.shape != (k,)):
         raise ValueError(f"norm weight {tuple(norm.weight.shape)} / squares {tuple(norm.squares.shape)} do not fit x {tuple(x.shape)}")
     early = early_weights(ranges)
     if rows > 0:
         _linear_kernel[(tiles, ranges)](
-            x, weight, out, squares, norm.weight if norm is not None else x, rows, n, x.stride(0), weight.stride(0),
-            out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0), norm.eps if norm is not None else 0.0,
+            x, weight, out, squares, norm.weight if norm is not None else x, residual if residual is not None else x,
+            arrivals(x.device, tiles) if residual is not None and ranges > 1 else x,
+            rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0),
+            residual.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
             K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
             PARTS=norm.squares.shape[0] if norm is not None else 1,
-            PARTS_BLOCK=next_power_of_2(norm.squares.shape[0]) if norm is not None else 1, num_warps=num_warps,
+            PARTS_BLOCK=next_power_of_2(norm.squares.shape[0]) if norm is not None else 1, SPLITS=ranges,
+            num_warps=num_warps,
             num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
             **pdl_launch(x.device),
         )
     return squares if residual is not None else out
+
+
+_ARRIVALS: dict[tuple, torch.Tensor] = {}
+
+
+def arrivals(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 zeros [tiles] on `device`, one per column tile, where the programs of a split
+    `decode_linear_add` count themselves in; the kernel leaves them 0 again, so one buffer per
+    device and stream serves every launch (and every CUDA graph that captured one: it is never
+    freed). Allocated on first use — before capture, by the warm-up's eager steps."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream, tiles)
+    if key not in _ARRIVALS:
+        _ARRIVALS[key] = torch.zeros(tiles, dtype=torch.int32, device=device)
+    return _ARRIVALS[key]
 
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None) -> torch.Tensor:

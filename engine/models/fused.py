@@ -11,8 +11,9 @@ inside a CUDA graph. This form runs per layer
        (the add and the norm's statistics in the o kernel's epilogue, the norm, GEMM and
         silu*mul in one kernel at decode sizes on Hopper)
 
-and where the down projection runs unsplit, the next layer's add+RMSNorm folds the same way
-(the add in the down kernel, the norm in the qkv kernel): no norm kernel between layers.
+and the next layer's add+RMSNorm folds the same way (the add in the down kernel — a split
+down's last program per column tile sums the partials first — the norm in the qkv kernel):
+no norm kernel inside the stack at decode sizes on Hopper (`SPLITSERVE_FOLD_NORM=0`: as before).
 
 carrying the residual stream separately (`residual`), so each residual add
 rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
@@ -168,12 +169,11 @@ def _gate_up_act(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _down(mlp, act: torch.Tensor, residual: torch.Tensor | None):
     """(x, None): x [T, H], or (one TP rank: nothing to all-reduce) fp32 split-K partials
     [S, T, H] for the next layer's add+RMSNorm to sum. Or, given the `residual` to fold into
-    (the next layer's qkv kernel takes the norm) and where the projection runs ours unsplit on
-    one rank: (None, squares) — the residual add done in the down kernel's epilogue
+    (the next layer's qkv kernel takes the norm) and where the projection runs ours on one
+    rank: (None, squares) — the residual add done in the down kernel's epilogue, split or not
     (`kernels.decode_linear_add`)."""
     config = _own_config("down", act)
-    if (residual is not None and _FOLD_NORM and mlp.ps.tp_size == 1 and mlp.down_proj.bias is None
-            and _unsplit(config)):
+    if residual is not None and _FOLD_NORM and mlp.ps.tp_size == 1 and mlp.down_proj.bias is None and config:
         return None, kernels.decode_linear_add(act, mlp.down_proj.weight, residual, config)
     down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
     return mlp.ps.all_reduce_tp(down), None

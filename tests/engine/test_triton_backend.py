@@ -32,8 +32,8 @@ from splitserve.kernels.linear import LinearConfig
 # MLP's down projection split over K into partials that the next add+RMSNorm sums, the post-attention
 # add+RMSNorm folded into the o and gate_up kernels; forced here,
 # where none is measured faster
-# "fused_whole": the same with an unsplit down projection, which then adds into the residual stream
-# in its epilogue so that the next layer's qkv kernel takes the input RMSNorm (RowNorm)
+# "fused_whole": the same with an unsplit down projection. Both fold the next layer's input add+RMSNorm
+# (the add in the down kernel's epilogue, the norm in the qkv kernel: RowNorm)
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
 WHOLE = dict(OWN, down=LinearConfig(16, 16, 4, 2))
@@ -59,10 +59,13 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole"):
     llm.engine.check_integrity()
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
     if name.startswith("fused_"):
-        want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"}
-        if name == "fused_whole":  # layer 1's qkv takes the norm of what layer 0's down added
-            want = want - {"decode_linear_partials"} | {"decode_qkv_rotary+norm"}
-        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:
+        # layer 1's qkv takes the norm of what layer 0's down added (split: its last programs summed
+        # the partials); the last layer's down leaves partials (split) or plain rows (whole)
+        want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add",
+                "decode_qkv_rotary+norm"}
+        if name == "fused_whole":
+            want.remove("decode_linear_partials")
+        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:  # no fold into the unfused qkv
             want -= {"decode_qkv_rotary", "decode_qkv_rotary+norm"}
         assert set(launched) == want, launched
 print(json.dumps(out))

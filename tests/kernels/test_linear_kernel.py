@@ -124,6 +124,7 @@ def test_glu_is_silu_and_mul_of_the_projection(rows, inter, k, config, dtype, de
 @pytest.mark.parametrize("rows,hidden,k,inter,o_config,gu_config", [
     (1, 80, 48, 40, LinearConfig(16, 32, 4, 2), LinearConfig(32, 32, 4, 2)),  # hidden not a multiple of the tiles
     (19, 64, 96, 48, LinearConfig(32, 64, 4, 2), LinearConfig(64, 16, 4, 2)),
+    (3, 80, 112, 40, LinearConfig(16, 32, 4, 2, splits=3), LinearConfig(32, 32, 4, 2)),  # the down form: split K
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_post_attention_norm_folded_into_the_projections(rows, hidden, k, inter, o_config, gu_config, dtype, device):
@@ -132,7 +133,7 @@ def test_post_attention_norm_folded_into_the_projections(rows, hidden, k, inter,
     `decode_linear`, `rms_norm(residual=)`, `decode_linear_glu`: the residual stream exactly,
     the activation as the unfused kernels round it (fp32 sums in another order: 1e-5 in fp32,
     a unit of fp16's last place where a near-tie rounds the other way)."""
-    from splitserve.kernels.linear import RowNorm, decode_linear_add
+    from splitserve.kernels.linear import RowNorm, arrivals, decode_linear_add
     from splitserve.kernels.norm import rms_norm
 
     g = torch.Generator().manual_seed(rows + hidden)
@@ -143,10 +144,12 @@ def test_post_attention_norm_folded_into_the_projections(rows, hidden, k, inter,
     w_gu = (0.1 * torch.randn(2 * inter, hidden, generator=g)).to(dtype).to(device)
 
     want_res = residual.clone()
-    want = decode_linear_glu(rms_norm(decode_linear(x, w_o, config=o_config), norm_w, 1e-5, residual=want_res), w_gu,
-                             gu_config)
+    proj = decode_linear_partials(x, w_o, o_config) if o_config.splits > 1 else decode_linear(x, w_o, config=o_config)
+    want = decode_linear_glu(rms_norm(proj, norm_w, 1e-5, residual=want_res), w_gu, gu_config)
     got_res = residual.clone()
     squares = decode_linear_add(x, w_o, got_res, o_config)
+    if o_config.splits > 1:  # every column tile's count is back at 0 for the next launch
+        assert not arrivals(got_res.device, -(-hidden // o_config[0])).any()
     assert squares.shape == (-(-hidden // o_config[0]), rows) and squares.dtype == torch.float32
     torch.testing.assert_close(squares.sum(0), got_res.float().square().sum(1), rtol=1e-5, atol=1e-5)
     assert torch.equal(got_res, want_res)
