@@ -208,9 +208,11 @@ def fused_layers_forward(
         if after_layer is not None:
             after_layer(i)
         act = _post_attention(layer, o, residual)
-        fold = i + 1 < len(layers) and _qkv_config(layers[i + 1].self_attn, residual, meta) is not None
+        # the last layer's add too: the stage's output is then the residual stream itself, with no
+        # reduction, cast and add of torch's after the last (PDL-launched) kernel
+        fold = i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta) is not None
         x, squares = _down(layer.mlp, act, residual if fold else None)
-    if residual is None:
+    if residual is None or x is None:
         return hidden
     if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would
         x = x.sum(0).to(residual.dtype)

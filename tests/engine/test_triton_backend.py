@@ -60,13 +60,11 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole"):
     out[name] = [[r.generated_tokens, r.generated_log_probs] for r in res]
     if name.startswith("fused_"):
         # layer 1's qkv takes the norm of what layer 0's down added (split: its last programs summed
-        # the partials); the last layer's down leaves partials (split) or plain rows (whole)
-        want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add",
-                "decode_qkv_rotary+norm"}
-        if name == "fused_whole":
-            want.remove("decode_linear_partials")
-        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:  # no fold into the unfused qkv
-            want -= {"decode_qkv_rotary", "decode_qkv_rotary+norm"}
+        # the partials); the last layer's down adds into the residual stream too
+        want = {"decode_linear_glu", "decode_qkv_rotary", "decode_linear_add", "decode_qkv_rotary+norm"}
+        if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:  # no fold into the unfused qkv:
+            want -= {"decode_qkv_rotary", "decode_qkv_rotary+norm"}  # layer 0's down leaves its partials
+            want |= {"decode_linear_partials"} if name == "fused_own" else set()
         assert set(launched) == want, launched
 print(json.dumps(out))
 """
