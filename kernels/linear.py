@@ -98,11 +98,15 @@ def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
 def rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K: tl.constexpr, PARTS: tl.constexpr,
               PARTS_BLOCK: tl.constexpr):
     """1 / rms of x's rows from the PARTS partial sums of their squares at `sq_ptr` [PARTS, M]
-    (`decode_linear_add`'s), summed in a fixed order: rsqrt(mean(x^2) + eps) as `rms_norm`."""
-    p = tl.arange(0, PARTS_BLOCK)
-    sq = tl.load(sq_ptr + p[:, None] * stride_sq + offs_m[None, :], mask=(p < PARTS)[:, None] & mask_m[None, :],
-                 other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(sq, 0) / K + eps)
+    (`decode_linear_add`'s), summed in a fixed order, PARTS_BLOCK at a time (a bounded register
+    tile): rsqrt(mean(x^2) + eps) as `rms_norm`."""
+    total = tl.zeros(offs_m.shape, tl.float32)
+    for p0 in tl.static_range(0, PARTS, PARTS_BLOCK):
+        p = p0 + tl.arange(0, PARTS_BLOCK)
+        sq = tl.load(sq_ptr + p[:, None] * stride_sq + offs_m[None, :], mask=(p < PARTS)[:, None] & mask_m[None, :],
+                     other=0.0)
+        total += tl.sum(sq, 0)
+    return 1.0 / tl.sqrt(total / K + eps)
 
 
 @triton.jit
@@ -355,12 +359,17 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
             K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
             PARTS=norm.squares.shape[0] if norm is not None else 1,
-            PARTS_BLOCK=next_power_of_2(norm.squares.shape[0]) if norm is not None else 1, SPLITS=ranges,
+            PARTS_BLOCK=parts_block(norm), SPLITS=ranges,
             num_warps=num_warps,
             num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
             **pdl_launch(x.device),
         )
     return squares if residual is not None else out
+
+
+def parts_block(norm: RowNorm | None) -> int:
+    """How many of a `RowNorm`'s partial sums a program loads at a time (`rows_rstd`)."""
+    return min(32, next_power_of_2(norm.squares.shape[0])) if norm is not None else 1
 
 
 _ARRIVALS: dict[tuple, torch.Tensor] = {}

@@ -23,7 +23,7 @@ import triton.language as tl
 
 from ._common import cdiv, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
-from .linear import MAX_ROWS, LinearConfig, RowNorm, rows_rstd, split_halves, stream_weight_tile
+from .linear import MAX_ROWS, LinearConfig, RowNorm, parts_block, rows_rstd, split_halves, stream_weight_tile
 
 __all__ = ["decode_qkv_rotary"]
 
@@ -137,7 +137,7 @@ def decode_qkv_rotary(
         NUM_Q=num_q_heads, NUM_KV=num_kv, HALF=half, PAGE_SIZE=kv.shape[3], K=k,
         BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_P=block_p, BLOCK_K=min(block_k, max(16, next_power_of_2(k))),
         DOT_PRECISION=dot_precision(x.dtype), NORM=norm is not None,
-        PARTS=norm.squares.shape[0] if norm else 1, PARTS_BLOCK=next_power_of_2(norm.squares.shape[0]) if norm else 1,
+        PARTS=norm.squares.shape[0] if norm else 1, PARTS_BLOCK=parts_block(norm),
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x.device),
     )

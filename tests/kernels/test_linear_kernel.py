@@ -125,6 +125,7 @@ def test_glu_is_silu_and_mul_of_the_projection(rows, inter, k, config, dtype, de
     (1, 80, 48, 40, LinearConfig(16, 32, 4, 2), LinearConfig(32, 32, 4, 2)),  # hidden not a multiple of the tiles
     (19, 64, 96, 48, LinearConfig(32, 64, 4, 2), LinearConfig(64, 16, 4, 2)),
     (3, 80, 112, 40, LinearConfig(16, 32, 4, 2, splits=3), LinearConfig(32, 32, 4, 2)),  # the down form: split K
+    (2, 560, 32, 24, LinearConfig(16, 32, 4, 2), LinearConfig(32, 64, 4, 2)),  # 35 partial sums: two loads of them
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_post_attention_norm_folded_into_the_projections(rows, hidden, k, inter, o_config, gu_config, dtype, device):
