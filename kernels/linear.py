@@ -61,35 +61,26 @@ def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL
 
 
 @triton.jit
-def x_tile(x_rows, cols, mask_m, k_end, rstd, nw_ptr, NORM: tl.constexpr):
-    """x rows' columns `cols` [BLOCK_M, BLOCK_K]; NORM: RMSNorm-ed on the way in (rows' 1 / rms
-    `rstd`, the norm's weight at `nw_ptr`), rounded as `kernels.rms_norm` rounds them."""
-    x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
-    if NORM:
-        nw = tl.load(nw_ptr + cols, mask=cols < k_end, other=0.0).to(tl.float32)
-        x = ((x.to(tl.float32) * rstd[:, None]).to(x.dtype).to(tl.float32) * nw[None, :]).to(x.dtype)
-    return x
-
-
-@triton.jit
 def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr, rstd=0, nw_ptr=0, NORM: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr):
     """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
     (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
     every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`).
-    NORM: x is normalized as it streams (`x_tile`)."""
+    x goes from its load to the MMA untouched: normalizing it in the loop cost 16 µs a layer at
+    64 rows on an H200 (benchmarks/RESULTS.md, session 25), so a folded norm scales the sums."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     k_loop = k_start
     if EARLY:
-        x = x_tile(x_rows, k_start + offs_k, mask_m, k_end, rstd, nw_ptr, NORM)
+        x = tl.load(x_rows + (k_start + offs_k)[None, :], mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :],
+                    other=0.0)
         acc = tl.dot(x, tl.trans(w_first), acc, input_precision=DOT_PRECISION)
         k_loop = k_start + BLOCK_K
     for k in range(k_loop, k_end, BLOCK_K):
         cols = k + offs_k
         w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
-        x = x_tile(x_rows, cols, mask_m, k_end, rstd, nw_ptr, NORM)
+        x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
 
@@ -121,7 +112,6 @@ def _linear_kernel(
     w_ptr,
     out_ptr,
     sq_ptr,
-    nw_ptr,
     res_ptr,
     count_ptr,
     M,
@@ -158,8 +148,8 @@ def _linear_kernel(
     out_ptr and counts itself in at count_ptr[n]; the last of a column tile to arrive sums the
     partials in range order (as `rms_norm` sums them), does the add, and sets the count back to 0
     for the next launch.
-    NORM: x is RMSNorm-ed as it streams, its rows' statistics from PARTS such sums at sq_ptr
-    and the norm's weight at nw_ptr."""
+    NORM: the sums are of an RMSNorm of x whose weight is folded into w (`RowNorm`): each row is
+    scaled by its 1 / rms, from PARTS such sums at sq_ptr, before the epilogue."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -178,11 +168,10 @@ def _linear_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_first = first_weight_tile(w_rows, cols_n < N, k_start, k_end, BLOCK_K, PDL, EARLY)
-    rstd = 0.0
-    if NORM:
-        rstd = rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)
     acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
-                             DOT_PRECISION, EARLY, rstd, nw_ptr, NORM)
+                             DOT_PRECISION, EARLY)
+    if NORM:
+        acc = acc * rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)[:, None]
     dtype = res_ptr.dtype.element_ty if ADD else out_ptr.dtype.element_ty
     if GLU:
         acc_gate, acc_up = split_halves(acc, BLOCK_M, HALF_N)
@@ -278,7 +267,7 @@ def decode_linear_glu(
     reads `config.block_n` weight rows, half gate and half up, so a config keeps the tile
     bytes of the plain projection; the [M, 2I] intermediate and the activation's launch go.
     `norm`: x is the residual stream a `decode_linear_add` just wrote, and the projection is of
-    `rms_norm(x, norm.weight, norm.eps)`, normalized as it streams (the norm's launch goes too)."""
+    its RMSNorm, γ folded into `weight` (`RowNorm`): the norm's launch goes too."""
     if weight.dim() == 2 and weight.shape[0] % 2:
         raise ValueError(f"weight must be [2 * I, K], got {tuple(weight.shape)}")
     if config is not None and config.splits != 1:
@@ -287,13 +276,21 @@ def decode_linear_glu(
 
 
 class RowNorm(NamedTuple):
-    """An RMSNorm to fold into the next projection (`decode_linear_glu(..., norm=)`): its weight
-    [K] and eps, and `squares`, the partial sums of squares of x's rows that `decode_linear_add`
-    returned with x."""
+    """An RMSNorm folded into the next projection (`decode_linear_glu(..., norm=)`,
+    `decode_qkv_rotary(..., norm=)`): x is the residual stream, the projection's weight holds the
+    norm's weight γ multiplied into its columns (W * γ, `engine/models/fused.py`), and the kernel
+    scales each row's sums by rsqrt(mean(x^2) + eps) — from `squares`, the partial sums of
+    squares of x's rows that `decode_linear_add` returned with x. So x streams into the MMA
+    untouched and the norm takes no launch; against the unfused norm (x * rstd rounded, times γ
+    rounded, then the GEMM) only the roundings move: γ's into the weights, rstd's after the sum."""
 
-    weight: torch.Tensor
     eps: float
     squares: torch.Tensor
+
+
+def check_row_norm(norm: RowNorm | None, rows: int) -> None:
+    if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows):
+        raise ValueError(f"RowNorm squares {tuple(norm.squares.shape)} do not fit {rows} rows")
 
 
 def decode_linear_add(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor, config: LinearConfig | None = None
@@ -347,12 +344,11 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
     squares = x if norm is None else norm.squares
     if residual is not None:
         squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
-    if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows or norm.weight.shape != (k,)):
-        raise ValueError(f"norm weight {tuple(norm.weight.shape)} / squares {tuple(norm.squares.shape)} do not fit x {tuple(x.shape)}")
+    check_row_norm(norm, rows)
     early = early_weights(ranges)
     if rows > 0:
         _linear_kernel[(tiles, ranges)](
-            x, weight, out, squares, norm.weight if norm is not None else x, residual if residual is not None else x,
+            x, weight, out, squares, residual if residual is not None else x,
             arrivals(x.device, tiles) if residual is not None and ranges > 1 else x,
             rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0),
             residual.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,

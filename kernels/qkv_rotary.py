@@ -23,22 +23,31 @@ import triton.language as tl
 
 from ._common import cdiv, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
-from .linear import MAX_ROWS, LinearConfig, RowNorm, parts_block, rows_rstd, split_halves, stream_weight_tile
+from .linear import (
+    MAX_ROWS,
+    LinearConfig,
+    RowNorm,
+    check_row_norm,
+    parts_block,
+    rows_rstd,
+    split_halves,
+    stream_weight_tile,
+)
 
 __all__ = ["decode_qkv_rotary"]
 
 
 @triton.jit
 def _qkv_rotary_kernel(
-    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, sq_ptr, nw_ptr,
+    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, sq_ptr,
     M, stride_xm, stride_wn, stride_qm, stride_qh, stride_cs, stride_sq, eps,
     stride_kv_kv, stride_kv_blk, stride_kv_h, stride_kv_tok,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NORM: tl.constexpr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
-    """NORM: x is RMSNorm-ed as it streams (`kernels.linear.x_tile`, statistics from PARTS
-    partial sums of squares at sq_ptr, the norm's weight at nw_ptr)."""
+    """NORM: the sums are of x's RMSNorm, its weight folded into w (`kernels.linear.RowNorm`):
+    rows scaled by 1 / rms from PARTS partial sums of squares at sq_ptr before the rotary."""
     wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -56,9 +65,6 @@ def _qkv_rotary_kernel(
     s1 = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + cs + HALF, mask=cs_mask, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
-    rstd = 0.0
-    if NORM:
-        rstd = rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)
     # One tile of 2 * BLOCK_P weight rows: the pairs' first-half rows, then their second-half
     # rows (two tiles of BLOCK_P rows, streamed as a pair, were ~1 µs a layer slower on an H200).
     r = tl.arange(0, 2 * BLOCK_P)
@@ -67,7 +73,9 @@ def _qkv_rotary_kernel(
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
     acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
                              tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
-                             DOT_PRECISION, False, rstd, nw_ptr, NORM)  # waited for the producer at the top
+                             DOT_PRECISION, False)  # waited for the producer at the top
+    if NORM:
+        acc = acc * rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)[:, None]
     acc_lo, acc_hi = split_halves(acc, BLOCK_M, BLOCK_P)
     dtype = q_ptr.dtype.element_ty
     a1 = acc_lo.to(dtype).to(tl.float32)
@@ -100,7 +108,7 @@ def decode_qkv_rotary(
     `decode_linear` then `apply_rotary_qk_and_write_kv` compute, in one launch. `config`
     (unsplit) as for the qkv projection: a program reads block_n // 2 pairs of weight rows.
     `norm`: x is the residual stream a `decode_linear_add` just wrote and the projection is of
-    its RMSNorm (`kernels.RowNorm`), normalized as it streams: the norm takes no launch."""
+    its RMSNorm, γ folded into `weight` (`kernels.RowNorm`): the norm takes no launch."""
     rows, k = x.shape if x.dim() == 2 else (-1, -1)
     check_kv(kv, kv.shape[-1] if kv.dim() == 5 else 0)
     head_dim, num_kv = kv.shape[4], kv.shape[2]
@@ -117,8 +125,7 @@ def decode_qkv_rotary(
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{rows}]")
     if config is not None and config.splits != 1:
         raise ValueError("decode_qkv_rotary() takes an unsplit config: rotary of partial sums is not theirs")
-    if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows or norm.weight.shape != (k,)):
-        raise ValueError(f"norm weight {tuple(norm.weight.shape)} / squares {tuple(norm.squares.shape)} do not fit x {tuple(x.shape)}")
+    check_row_norm(norm, rows)
     for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
         check_last_dim_contiguous(name, t)
     q = torch.empty(rows, num_q_heads, head_dim, dtype=x.dtype, device=x.device)
@@ -130,7 +137,7 @@ def decode_qkv_rotary(
     block_p = max(16, block_n // 2)
     half = head_dim // 2
     _qkv_rotary_kernel[(cdiv((num_q_heads + 2 * num_kv) * half, block_p),)](
-        x, weight, q, kv, slot_mapping, cos, sin, norm.squares if norm else x, norm.weight if norm else x,
+        x, weight, q, kv, slot_mapping, cos, sin, norm.squares if norm else x,
         rows, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0),
         norm.squares.stride(0) if norm else 0, norm.eps if norm else 0.0,
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),

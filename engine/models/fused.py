@@ -8,8 +8,8 @@ inside a CUDA graph. This form runs per layer
     add+RMSNorm -> qkv GEMM -> rotary(q, k) + write_kv -> attention -> o GEMM
                    (one kernel at decode sizes on Hopper)
     -> add+RMSNorm -> gate_up GEMM -> silu*mul -> down GEMM
-       (the add and the norm's statistics in the o kernel's epilogue, the norm, GEMM and
-        silu*mul in one kernel at decode sizes on Hopper)
+       (the add and the norm's statistics in the o kernel's epilogue; the norm — γ in the
+        weight, 1 / rms on the sums — GEMM and silu*mul in one kernel at decode sizes on Hopper)
 
 and the next layer's add+RMSNorm folds the same way (the add in the down kernel — a split
 down's last program per column tile sums the partials first — the norm in the qkv kernel):
@@ -66,16 +66,44 @@ def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
 
 def fuse_projections(model) -> None:
     """Give every decoder layer fused qkv and gate_up weights (idempotent; call
-    again after the weights are replaced)."""
+    again after the weights are replaced).
+
+    Where the decode kernels fold the decoder norms (`folds_norms`), the fused weights also hold
+    the norm before each — input_layernorm's γ in qkv's columns, post_attention_layernorm's in
+    gate_up's — and `model.unit_gamma` (ones) stands in for γ wherever a norm kernel still runs
+    before them (prefill sizes, the first layer, TP > 1): one form at every size. The per-
+    projection modules are views of the fused weights, so they hold γ too; the unfused forward
+    is never run on a fused model."""
+    fold = folds_norms(model)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
+        fused = getattr(attn, "qkv_weight", None)
+        if fused is not None and attn.q_proj.weight.data_ptr() == fused.data_ptr():
+            continue  # fused already, and not reloaded since: γ is in it once
         attn.qkv_weight, attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
+        if fold:
+            attn.qkv_weight.mul_(layer.input_layernorm.weight.data)
+            mlp.gate_up_weight.mul_(layer.post_attention_layernorm.weight.data)
+    weight = model.layers[0].self_attn.qkv_weight if fold else None
+    model.unit_gamma = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device) if fold else None
     model.fused = True
+
+
+def folds_norms(model) -> bool:
+    """Whether the decode kernels take this model's decoder norms folded (`kernels.RowNorm`): our
+    qkv and gate_up kernels run its dtype on its device (`projection_config`) and
+    `SPLITSERVE_FOLD_NORM` is not 0."""
+    if not len(model.layers) or not (_FOLD_NORM and _OWN_PROJECTIONS):
+        return False
+    w = model.layers[0].self_attn.q_proj.weight
+    return all(projection_config(kind, 1, w.device, w.dtype) is not None for kind in ("qkv", "gate_up"))
 
 
 _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 """`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
+_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "1") != "0"
+"""`SPLITSERVE_FOLD_NORM=0` keeps every add+RMSNorm a kernel of its own (an A/B switch)."""
 
 
 def _project(
@@ -130,26 +158,23 @@ def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: Attentio
     return o.reshape(t, -1)
 
 
-_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "1") != "0"
-"""`SPLITSERVE_FOLD_NORM=0` keeps every add+RMSNorm a kernel of its own (an A/B switch)."""
-
-
-def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor, unit: torch.Tensor | None) -> torch.Tensor:
     """silu(gate) * up of the MLP from the attention heads' output o: the o projection, the
     residual add (`residual` updated in place), the post-attention RMSNorm, the gate_up
     projection and SwiGLU. Where both projections run ours on one TP rank the norm takes no
     launch: the o kernel adds the residual and sums the new rows' squares per column tile in
-    its epilogue (`kernels.decode_linear_add`), the gate_up kernel normalizes x as it streams it
-    (`kernels.RowNorm`) — the same roundings as the norm kernel, statistics summed in another
-    order."""
+    its epilogue (`kernels.decode_linear_add`), the gate_up kernel, its weight holding γ, scales
+    its sums by each row's 1 / rms (`kernels.RowNorm`). `unit`: ones where γ is folded
+    (`fuse_projections`), else None."""
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     o_config, gu_config = _own_config("o", o), _own_config("gate_up", residual)
-    if (_FOLD_NORM and attn.ps.tp_size == 1 and attn.o_proj.bias is None and o.dtype == residual.dtype
+    if (unit is not None and attn.ps.tp_size == 1 and attn.o_proj.bias is None and o.dtype == residual.dtype
             and _unsplit(o_config) and _unsplit(gu_config)):
         squares = kernels.decode_linear_add(o, attn.o_proj.weight, residual, o_config)
-        return kernels.decode_linear_glu(residual, mlp.gate_up_weight, gu_config, kernels.RowNorm(norm.weight, norm.eps, squares))
+        return kernels.decode_linear_glu(residual, mlp.gate_up_weight, gu_config, kernels.RowNorm(norm.eps, squares))
     out = attn.ps.all_reduce_tp(_project(o, attn.o_proj.weight, attn.o_proj.bias, "o"))
-    return _gate_up_act(kernels.rms_norm(out, norm.weight, norm.eps, residual=residual), mlp.gate_up_weight)
+    gamma = norm.weight if unit is None else unit
+    return _gate_up_act(kernels.rms_norm(out, gamma, norm.eps, residual=residual), mlp.gate_up_weight)
 
 
 def _unsplit(config) -> bool:
@@ -173,7 +198,7 @@ def _down(mlp, act: torch.Tensor, residual: torch.Tensor | None):
     rank: (None, squares) — the residual add done in the down kernel's epilogue, split or not
     (`kernels.decode_linear_add`)."""
     config = _own_config("down", act)
-    if residual is not None and _FOLD_NORM and mlp.ps.tp_size == 1 and mlp.down_proj.bias is None and config:
+    if residual is not None and mlp.ps.tp_size == 1 and mlp.down_proj.bias is None and config:
         return None, kernels.decode_linear_add(act, mlp.down_proj.weight, residual, config)
     down = _project(act, mlp.down_proj.weight, mlp.down_proj.bias, "down", partials=mlp.ps.tp_size == 1)
     return mlp.ps.all_reduce_tp(down), None
@@ -194,23 +219,24 @@ def fused_layers_forward(
     local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
     residual = squares = None
     x = hidden
-    layers = list(model.layers)
+    layers, unit = list(model.layers), getattr(model, "unit_gamma", None)
     for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
         norm_in, row_norm = layer.input_layernorm, None
+        gamma = norm_in.weight if unit is None else unit  # γ is in the qkv weight where folded
         if residual is None:
             residual = x
-            h = kernels.rms_norm(x, norm_in.weight, norm_in.eps)
+            h = kernels.rms_norm(x, gamma, norm_in.eps)
         elif squares is not None:  # the previous down kernel added into the residual: the norm is the qkv kernel's
-            h, row_norm = residual, kernels.RowNorm(norm_in.weight, norm_in.eps, squares)
+            h, row_norm = residual, kernels.RowNorm(norm_in.eps, squares)
         else:
-            h = kernels.rms_norm(x, norm_in.weight, norm_in.eps, residual=residual)
+            h = kernels.rms_norm(x, gamma, norm_in.eps, residual=residual)
         o = _attention(layer.self_attn, h, cos, sin, kv, meta, row_norm)
         if after_layer is not None:
             after_layer(i)
-        act = _post_attention(layer, o, residual)
+        act = _post_attention(layer, o, residual, unit)
         # the last layer's add too: the stage's output is then the residual stream itself, with no
         # reduction, cast and add of torch's after the last (PDL-launched) kernel
-        fold = i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta) is not None
+        fold = i + 1 == len(layers) or (unit is not None and _qkv_config(layers[i + 1].self_attn, residual, meta))
         x, squares = _down(layer.mlp, act, residual if fold else None)
     if residual is None or x is None:
         return hidden

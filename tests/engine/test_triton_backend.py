@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.fixtures.models import build_hf_checkpoint
 from tests.fixtures.triton_version import OLD_INTERPRETER_REASON, old_interpreter
@@ -32,8 +33,8 @@ from splitserve.kernels.linear import LinearConfig
 # MLP's down projection split over K into partials that the next add+RMSNorm sums, the post-attention
 # add+RMSNorm folded into the o and gate_up kernels; forced here,
 # where none is measured faster
-# "fused_whole": the same with an unsplit down projection. Both fold the next layer's input add+RMSNorm
-# (the add in the down kernel's epilogue, the norm in the qkv kernel: RowNorm)
+# "fused_whole": the same with an unsplit down projection. Both fold the decoder norms: γ into the qkv and
+# gate_up weights, the adds into the o and down kernels' epilogues, 1 / rms into qkv's and gate_up's (RowNorm)
 OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate_up": LinearConfig(32, 16, 4, 2),
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
 WHOLE = dict(OWN, down=LinearConfig(16, 16, 4, 2))
@@ -42,11 +43,13 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole"):
     # device="cpu": Triton's interpreter; on a CUDA host the engine would otherwise pick the GPU
     llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
     assert llm.engine.runner.backend == backend and not llm.engine.runner.model.fused
-    if name.startswith("fused"):
-        fuse_projections(llm.engine.runner.model)
-    if name in ("fused_own", "fused_whole"):
+    if name in ("fused_own", "fused_whole"):  # before fusing: the norms' γ goes into the weights then
         table = OWN if name == "fused_own" else WHOLE
         fused.projection_config = lambda kind, rows, device, dtype, _t=table: _t[kind]
+    if name.startswith("fused"):
+        fuse_projections(llm.engine.runner.model)
+        assert (llm.engine.runner.model.unit_gamma is not None) == (name != "fused")
+    if name in ("fused_own", "fused_whole"):
         launched = []
         for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"):
             own = getattr(fused.kernels, fn)
@@ -78,6 +81,7 @@ print(json.dumps(out))
 @pytest.mark.skipif(old_interpreter(), reason=OLD_INTERPRETER_REASON)
 def test_triton_backend_matches_torch(tmp_path, family, shape):
     build_hf_checkpoint(tmp_path, family, **{"num_hidden_layers": 2, "hidden_size": 32, "intermediate_size": 64, **shape})
+    _spread_norm_weights(tmp_path)
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -86,3 +90,17 @@ def test_triton_backend_matches_torch(tmp_path, family, shape):
         for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out[variant], strict=True):
             assert k_tokens == t_tokens, variant
             assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4, variant
+
+
+def _spread_norm_weights(path) -> None:
+    """Norm weights (γ) away from the ones `transformers` initializes them to, so a γ folded into
+    the projections (fused_own / fused_whole) is a γ that matters."""
+    from safetensors.torch import load_file, save_file
+
+    for f in path.glob("*.safetensors"):
+        tensors = load_file(f)
+        g = torch.Generator().manual_seed(5)
+        for name, t in tensors.items():
+            if name.endswith("norm.weight"):
+                tensors[name] = (1 + 0.3 * torch.randn(t.shape, generator=g)).to(t.dtype)
+        save_file(tensors, f, metadata={"format": "pt"})

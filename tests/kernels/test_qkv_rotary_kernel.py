@@ -81,8 +81,9 @@ def test_qkv_rotary_rejects_what_does_not_fit(device):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_qkv_rotary_of_the_folded_norm(dtype, device):
-    """`norm=`: the projection of rms_norm(x), x normalized as it streams from the partial sums of
-    its rows' squares a `decode_linear_add` leaves (here three column tiles' sums, by torch)."""
+    """`norm=`: the projection of rms_norm(x) through weight * γ, each row's sums scaled by its
+    1 / rms from the partial sums of its squares a `decode_linear_add` leaves (here three column
+    tiles' sums, by torch)."""
     from splitserve.kernels.linear import RowNorm
     from splitserve.kernels.norm import rms_norm
 
@@ -93,11 +94,12 @@ def test_qkv_rotary_of_the_folded_norm(dtype, device):
     want_kv = kv.clone()
     want_q = decode_qkv_rotary(rms_norm(x, norm_w, 1e-6), w, cos, sin, want_kv, slots, hq, LinearConfig(32, 32))
     got_kv = kv.clone()
-    got_q = decode_qkv_rotary(x, w, cos, sin, got_kv, slots, hq, LinearConfig(32, 32), norm=RowNorm(norm_w, 1e-6, squares))
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    folded = (w.float() * norm_w.float()).to(dtype)
+    got_q = decode_qkv_rotary(x, folded, cos, sin, got_kv, slots, hq, LinearConfig(32, 32), norm=RowNorm(1e-6, squares))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got_q.float(), want_q.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(got_kv.float(), want_kv.float(), rtol=tol, atol=tol)
-    unnormed = decode_qkv_rotary(x, w, cos, sin, kv.clone(), slots, hq, LinearConfig(32, 32))
+    unnormed = decode_qkv_rotary(x, folded, cos, sin, kv.clone(), slots, hq, LinearConfig(32, 32))
     assert not torch.allclose(got_q.float(), unnormed.float(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="do not fit"):
-        decode_qkv_rotary(x, w, cos, sin, kv, slots, hq, norm=RowNorm(norm_w, 1e-6, squares[:, 1:]))
+        decode_qkv_rotary(x, w, cos, sin, kv, slots, hq, norm=RowNorm(1e-6, squares[:, 1:]))
