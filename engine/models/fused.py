@@ -13,7 +13,8 @@ inside a CUDA graph. This form runs per layer
 
 and the next layer's add+RMSNorm folds the same way (the add in the down kernel — a split
 down's last program per column tile sums the partials first — the norm in the qkv kernel):
-no norm kernel inside the stack at decode sizes on Hopper (`SPLITSERVE_FOLD_NORM=0`: as before).
+no norm kernel inside the stack at decode sizes on Hopper — with `SPLITSERVE_FOLD_NORM=1` (see
+`_FOLD_NORM`); by default the two add+RMSNorms of a layer are kernels of their own.
 
 carrying the residual stream separately (`residual`), so each residual add
 rides in the next norm's kernel. `fuse_projections` concatenates q/k/v and
@@ -93,7 +94,7 @@ def fuse_projections(model) -> None:
 def folds_norms(model) -> bool:
     """Whether the decode kernels take this model's decoder norms folded (`kernels.RowNorm`): our
     qkv and gate_up kernels run its dtype on its device (`projection_config`) and
-    `SPLITSERVE_FOLD_NORM` is not 0."""
+    `SPLITSERVE_FOLD_NORM=1`."""
     if not len(model.layers) or not (_FOLD_NORM and _OWN_PROJECTIONS):
         return False
     w = model.layers[0].self_attn.q_proj.weight
@@ -102,8 +103,12 @@ def folds_norms(model) -> bool:
 
 _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 """`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
-_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "1") != "0"
-"""`SPLITSERVE_FOLD_NORM=0` keeps every add+RMSNorm a kernel of its own (an A/B switch)."""
+_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "0") == "1"
+"""`SPLITSERVE_FOLD_NORM=1` folds the decoder norms into the projections (`fuse_projections`,
+`kernels.RowNorm`). Off by default until measured on a GPU: correct on CPU (Triton's
+interpreter, tests/engine/test_triton_backend.py), but session 25's first form of it (x
+normalized inside the K loop) was slower on an H200 and this form has not been timed yet
+(benchmarks/RESULTS.md, session 29)."""
 
 
 def _project(
@@ -234,9 +239,9 @@ def fused_layers_forward(
         if after_layer is not None:
             after_layer(i)
         act = _post_attention(layer, o, residual, unit)
-        # the last layer's add too: the stage's output is then the residual stream itself, with no
-        # reduction, cast and add of torch's after the last (PDL-launched) kernel
-        fold = i + 1 == len(layers) or (unit is not None and _qkv_config(layers[i + 1].self_attn, residual, meta))
+        # folded, the last layer's add too: the stage's output is then the residual stream itself,
+        # with no reduction, cast and add of torch's after the last (PDL-launched) kernel
+        fold = unit is not None and (i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta))
         x, squares = _down(layer.mlp, act, residual if fold else None)
     if residual is None or x is None:
         return hidden
