@@ -341,9 +341,10 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
         out = torch.empty(ranges, rows, n, dtype=torch.float32, device=x.device)
     else:
         out = torch.empty(*((ranges,) if splits > 1 else ()), rows, n, dtype=out_dtype or x.dtype, device=x.device)
-    squares = x if norm is None else norm.squares
-    if residual is not None:
+    if residual is not None:  # written: this launch's statistics
         squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
+    else:  # read (NORM), or an unused pointer
+        squares = x if norm is None else norm.squares
     check_row_norm(norm, rows)
     early = early_weights(ranges)
     if rows > 0:

@@ -86,8 +86,7 @@ def fuse_projections(model) -> None:
         if fold:
             attn.qkv_weight.mul_(layer.input_layernorm.weight.data)
             mlp.gate_up_weight.mul_(layer.post_attention_layernorm.weight.data)
-    weight = model.layers[0].self_attn.qkv_weight if fold else None
-    model.unit_gamma = torch.ones(weight.shape[1], dtype=weight.dtype, device=weight.device) if fold else None
+    model.unit_gamma = torch.ones_like(model.layers[0].input_layernorm.weight) if fold else None
     model.fused = True
 
 
