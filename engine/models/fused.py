@@ -104,10 +104,12 @@ _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 """`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
 _FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "0") == "1"
 """`SPLITSERVE_FOLD_NORM=1` folds the decoder norms into the projections (`fuse_projections`,
-`kernels.RowNorm`). Off by default until measured on a GPU: correct on CPU (Triton's
-interpreter, tests/engine/test_triton_backend.py), but session 25's first form of it (x
-normalized inside the K loop) was slower on an H200 and this form has not been timed yet
-(benchmarks/RESULTS.md, session 29)."""
+`kernels.RowNorm`). Off by default: correct on CPU (Triton's interpreter,
+tests/engine/test_triton_backend.py) and on an H100 (bf16 agreement unchanged), but not faster
+there — five launches a layer instead of seven, yet batch-1 replays 2% slower (the qkv and
+gate_up epilogues load up to 128 partial sums of squares a row) and batch 64 within noise
+(benchmarks/RESULTS.md, session 30); session 25's first form (x normalized inside the K loop)
+was slower on an H200."""
 
 
 def _project(
