@@ -105,11 +105,11 @@ _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 _FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "0") == "1"
 """`SPLITSERVE_FOLD_NORM=1` folds the decoder norms into the projections (`fuse_projections`,
 `kernels.RowNorm`). Off by default: correct on CPU (Triton's interpreter,
-tests/engine/test_triton_backend.py) and on an H100 (bf16 agreement unchanged), but not faster
-there — five launches a layer instead of seven, yet batch-1 replays 2% slower (the qkv and
-gate_up epilogues load up to 128 partial sums of squares a row) and batch 64 within noise
-(benchmarks/RESULTS.md, session 30); session 25's first form (x normalized inside the K loop)
-was slower on an H200."""
+tests/engine/test_triton_backend.py) and on GPUs (bf16 agreement unchanged), but not faster —
+five launches a layer instead of seven, yet batch-64 replays 1.2% slower on an H200 and batch 1
+2% slower on an H100: the qkv and gate_up kernels wait on the add's statistics and load up to
+128 partial sums of squares a row (benchmarks/RESULTS.md, session 30); session 25's first form
+(x normalized inside the K loop) was slower still."""
 
 
 def _project(
