@@ -11,9 +11,11 @@ elsewhere (a step with prefill chunks) it keeps the host sampler. Sampled rows i
 `processed_logprobs` mode (log-probs of the temperature / top-k / top-p logits) keep the host
 sampler (engine/sampler.py `sample_row`), and their steps are not run ahead.
 
-For the picked rows, at once: their log-softmax, the chosen token's entry and the top N
-(N = the most any row asks; each row keeps its own first N) — a few launches over [rows, vocab]
-on the device, then small copies to pinned host memory that the step's `ready` event covers.
+For the picked rows, at once: the chosen token's log-prob and the top N (N = the most any row
+asks; each row keeps its own first N) — on CUDA two Triton launches over [rows, vocab]
+(`kernels.row_logprobs`), in torch elsewhere and where a row's raw log-softmax must be taken
+before the row is adjusted — then small copies to pinned host memory that the step's `ready`
+event covers.
 The same functions serve steps that collect on the spot (prefill chunks), and a plain engine's
 decode steps take the launch path too, so a request's log-probs do not depend on whether its
 steps ran ahead.
@@ -83,7 +85,14 @@ def compute(
     """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (an
     index tensor on their device; None: every row, in order) for `chunks`; each row's top
     `top_n[j]`. Queued on the device; on CUDA the results are copied to pinned host memory
-    without waiting."""
+    without waiting. On CUDA two Triton launches (`kernels.row_logprobs`: a batch-1 row's
+    log-probs cost its step ~0.13 ms in torch's launches); torch's log_softmax elsewhere."""
+    if logits.is_cuda and logits.stride(-1) == 1 and _triton():
+        from splitserve import kernels
+
+        index = rows if rows is not None else torch.arange(len(chunks), device=logits.device)
+        chosen, values, ids = kernels.row_logprobs(logits, index, tokens.view(-1).to(torch.long), max(top_n, default=0))
+        return _pinned(chunks, chosen, values, ids, top_n)
     return finish(log_softmax_rows(logits, rows), chunks, tokens, top_n)
 
 
@@ -94,9 +103,19 @@ def finish(logprobs: torch.Tensor, chunks: Sequence[int], tokens: torch.Tensor, 
     values = ids = None
     if most:
         values, ids = torch.topk(logprobs, most, dim=-1)
-    if logprobs.is_cuda:
+    return _pinned(chunks, chosen, values, ids, top_n)
+
+
+def _pinned(chunks, chosen, values, ids, top_n) -> StepLogprobs:
+    if chosen.is_cuda:
         chosen, values, ids = (_to_pinned(t) if t is not None else None for t in (chosen, values, ids))
     return StepLogprobs(tuple(chunks), chosen, values, ids, tuple(top_n))
+
+
+def _triton() -> bool:
+    from splitserve import kernels
+
+    return kernels.triton_available()
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:

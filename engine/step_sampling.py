@@ -99,14 +99,16 @@ class StepSampling:
             chunks = out.chunks
             lp_rows = self._logprob_rows_at_launch(out)
             index = None if len(lp_rows) == len(chunks) else to_device(lp_rows, torch.long, logits.device)
-            taken = log_softmax_rows(logits, index) if lp_rows else None  # before any row is adjusted
             also = [i for i in lp_rows if chunks[i].request.params.adjusts_logits]
+            taken = log_softmax_rows(logits, index) if also else None  # raw: before those rows are adjusted
             adjusted = adjust_at_launch(self.logit_slots, chunks, logits, greedy, fed, also)
             drawn = self._draw_at_launch(out, logits, greedy, graphed, adjusted)
             drawn |= {i for i in adjusted if chunks[i].request.params.is_greedy}
             if lp_rows:  # every one of them has its token in `greedy` now
-                logprobs = finish_logprobs(taken, lp_rows, greedy if index is None else greedy.index_select(0, index),
-                                           [chunks[i].request.params.top_n_logprobs for i in lp_rows])
+                ids = greedy if index is None else greedy.index_select(0, index)
+                top_n = [chunks[i].request.params.top_n_logprobs for i in lp_rows]
+                logprobs = (finish_logprobs(taken, lp_rows, ids, top_n) if taken is not None
+                            else compute_logprobs(logits, lp_rows, index, ids, top_n))
         step = PendingStep(out, logits=logits, greedy=greedy, greedy_host=greedy, drawn=drawn, adjusted=adjusted,
                            logprobs=logprobs)
         if greedy.device.type != "cuda":

@@ -36,6 +36,7 @@ __all__ = [
     "paged_prefill_attention",
     "plan_decode",
     "rms_norm",
+    "row_logprobs",
     "sample_rows",
     "selective_state_update",
     "silu_and_mul",
@@ -55,6 +56,7 @@ _LAZY = {
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
     "adjust_logit_rows": "logit_adjust",
+    "row_logprobs": "logprobs",
     "argmax_rows": "argmax",
     "kv_block_checksums": "kv_checksum",
     "RowNorm": "linear",
@@ -77,6 +79,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .kv_write import write_kv
     from .linear import RowNorm, decode_linear, decode_linear_add, decode_linear_glu, decode_linear_partials
     from .logit_adjust import adjust_logit_rows
+    from .logprobs import row_logprobs
     from .norm import rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention

@@ -30,6 +30,7 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.qkv_rotary",
     "splitserve.kernels.argmax",
     "splitserve.kernels.logit_adjust",
+    "splitserve.kernels.logprobs",
     "splitserve.kernels.kv_checksum",
     "splitserve.kernels.sampling",
     "splitserve.kernels.ssm_state_update",
