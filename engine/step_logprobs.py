@@ -85,8 +85,9 @@ def compute(
     """Log-probs of `tokens` [len(chunks)] (on the logits' device) in logits rows `rows` (an
     index tensor on their device; None: every row, in order) for `chunks`; each row's top
     `top_n[j]`. Queued on the device; on CUDA the results are copied to pinned host memory
-    without waiting. On CUDA two Triton launches (`kernels.row_logprobs`: a batch-1 row's
-    log-probs cost its step ~0.13 ms in torch's launches); torch's log_softmax elsewhere."""
+    without waiting. On CUDA two Triton launches (`kernels.row_logprobs`; top N <= 20, the
+    engine's limit): a batch-1 row that wants log-probs costs its step +0.02 ms on an H200,
+    against +0.12 in torch's launches (benchmarks/RESULTS.md, session 30); torch elsewhere."""
     if logits.is_cuda and logits.stride(-1) == 1 and _triton():
         from splitserve import kernels
 
