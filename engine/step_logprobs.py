@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve import kernels
+
 
 def wants_logprobs(params) -> bool:
     return bool(params.return_log_probs or params.top_n_logprobs)
@@ -88,9 +90,7 @@ def compute(
     without waiting. On CUDA two Triton launches (`kernels.row_logprobs`; top N <= 20, the
     engine's limit): a batch-1 row that wants log-probs costs its step +0.02 ms on an H200,
     against +0.12 in torch's launches (benchmarks/RESULTS.md, session 30); torch elsewhere."""
-    if logits.is_cuda and logits.stride(-1) == 1 and _triton():
-        from splitserve import kernels
-
+    if logits.is_cuda and logits.stride(-1) == 1 and kernels.triton_available():
         index = rows if rows is not None else torch.arange(len(chunks), device=logits.device)
         chosen, values, ids = kernels.row_logprobs(logits, index, tokens.view(-1).to(torch.long), max(top_n, default=0))
         return _pinned(chunks, chosen, values, ids, top_n)
@@ -111,12 +111,6 @@ def _pinned(chunks, chosen, values, ids, top_n) -> StepLogprobs:
     if chosen.is_cuda:
         chosen, values, ids = (_to_pinned(t) if t is not None else None for t in (chosen, values, ids))
     return StepLogprobs(tuple(chunks), chosen, values, ids, tuple(top_n))
-
-
-def _triton() -> bool:
-    from splitserve import kernels
-
-    return kernels.triton_available()
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
