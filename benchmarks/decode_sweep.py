@@ -12,6 +12,7 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
 
 - `qkv|o|gate_up|down=BN,BK,WARPS,STAGES[,SPLITS]`: that projection's config for 17..64 rows
   (`kernels.projection_configs`);
+- `lm_head=BN,BK,WARPS,STAGES`: the LM head's config (`kernels.decode_linear`'s default);
 - `attn=BLOCK_N,WARPS,STAGES`: the unsplit decode attention's token step and launch settings;
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
   wait (`kernels.linear.early_weights`).
@@ -45,6 +46,8 @@ CANDIDATES = {
                 "64,256,4,2"],
     "down": ["64,128,4,4,2", "64,128,4,4,8", "32,128,4,4,4", "32,256,4,3,4", "64,128,4,3,4", "64,64,4,6,4",
              "128,128,4,4,8", "16,256,4,4,1", "16,512,4,3,1"],
+    "lm_head": ["64,128,4,4", "64,128,4,3", "128,64,4,6", "128,256,4,3", "64,256,4,3", "128,128,8,4",
+                "256,64,8,4", "256,128,8,3", "32,256,4,4"],
     "attn": ["64,4,3", "64,2,4", "32,2,6", "128,4,4", "128,8,3", "64,4,4", "256,8,2"],
     "early": ["all"],
 }
@@ -59,6 +62,10 @@ def apply(kind: str, value: str):
         old = projection_configs.PROJECTION_CONFIGS[kind]
         projection_configs.PROJECTION_CONFIGS[kind] = (old[0], linear.LinearConfig(*map(int, value.split(","))))
         return lambda: projection_configs.PROJECTION_CONFIGS.__setitem__(kind, old)
+    if kind == "lm_head":  # the LM head runs decode_linear's default config
+        old_defaults = linear.LinearConfig.__new__.__defaults__
+        linear.LinearConfig.__new__.__defaults__ = (*map(int, value.split(",")), 1)
+        return lambda: setattr(linear.LinearConfig.__new__, "__defaults__", old_defaults)
     if kind == "attn":
         block_n, warps, stages = map(int, value.split(","))
         old_fn, old_bn = kernels.paged_decode_attention, decode_plan._UNSPLIT_BLOCK_N
