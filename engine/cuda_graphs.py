@@ -251,8 +251,9 @@ class DecodeGraphs:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(positions, meta, self.kv_caches, input_ids=ids)
-            logits = self.model.compute_logits(hidden)
-            return logits, kernels.argmax_rows(logits)  # one SM per row in torch: slow for 128k vocabularies
+            logits, greedy = self.model.logits_and_argmax(hidden)  # greedy: from the LM head's epilogue
+            # else a pass of our own: torch gives a row to one SM, slow for 128k vocabularies
+            return logits, greedy if greedy is not None else kernels.argmax_rows(logits)
 
         static.graph, (static.logits, static.greedy) = capture(forward, self._pool)
         self._pool = static.graph.pool()

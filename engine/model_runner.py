@@ -194,8 +194,10 @@ class ModelRunner(StepSampling):
         if self.ps.is_driver and inputs.meta.is_decode_only and not any(
             c.request.wants_prompt_log_probs and c.start < c.request.prompt_len for c in out.chunks
         ):
-            logits = self.model.compute_logits(hidden)
-            return self._decode_pending(out, logits, greedy_ids(logits, self._triton_argmax), fed=fed)
+            logits, greedy = self.model.logits_and_argmax(hidden)
+            if greedy is None:  # no kernel took it in the LM head's epilogue
+                greedy = greedy_ids(logits, self._triton_argmax)
+            return self._decode_pending(out, logits, greedy, fed=fed)
         return PendingStep(out, hidden=hidden)
 
     def forget(self, request_id: str) -> None:

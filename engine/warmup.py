@@ -116,8 +116,9 @@ def compile_logit_rows(engine) -> int:
     if not runner.ps.is_last_stage:
         return 0
     hidden = torch.zeros(max(LOGIT_ROWS), engine.model_config.hidden_size, dtype=runner.dtype, device=runner.device)
-    for rows in LOGIT_ROWS:
+    for rows in LOGIT_ROWS:  # prefill chunks' logits, and decode steps' with their argmax
         runner.model.compute_logits(hidden[:rows])
+        runner.model.logits_and_argmax(hidden[:rows])
     return len(LOGIT_ROWS)
 
 

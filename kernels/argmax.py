@@ -67,6 +67,14 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     pdl = pdl_launch(logits.device)
     _partial_argmax_kernel[(batch, parts)](logits, part_val, part_idx, logits.stride(0), vocab, parts, BLOCK=block,
                                            num_warps=8 if block >= 2048 else 4, **pdl)
-    _merge_argmax_kernel[(batch,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1,
-                                   **pdl)
+    merge_argmax(part_val, part_idx, out, vocab)
     return out
+
+
+def merge_argmax(part_val: torch.Tensor, part_idx: torch.Tensor, out: torch.Tensor, vocab: int) -> None:
+    """out[b] <- the index of the largest of part_val[b, :] (fp32 [B, P]), taken from part_idx
+    (int32 [B, P]); equal maxima go to the lowest index, so partials of consecutive column ranges
+    give the first index of the row's maximum."""
+    batch, parts = part_val.shape
+    _merge_argmax_kernel[(batch,)](part_val, part_idx, out, parts, vocab, BLOCK_P=next_power_of_2(parts), num_warps=1,
+                                   **pdl_launch(part_val.device))

@@ -27,6 +27,7 @@ import triton.language as tl
 
 from ._common import cdiv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
+from .argmax import merge_argmax
 
 __all__ = [
     "MAX_ROWS",
@@ -114,6 +115,8 @@ def _linear_kernel(
     sq_ptr,
     res_ptr,
     count_ptr,
+    amax_val_ptr,
+    amax_idx_ptr,
     M,
     N,
     stride_xm,
@@ -136,6 +139,7 @@ def _linear_kernel(
     PARTS: tl.constexpr,
     PARTS_BLOCK: tl.constexpr,
     SPLITS: tl.constexpr,
+    ARGMAX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
@@ -149,7 +153,9 @@ def _linear_kernel(
     partials in range order (as `rms_norm` sums them), does the add, and sets the count back to 0
     for the next launch.
     NORM: the sums are of an RMSNorm of x whose weight is folded into w (`RowNorm`): each row is
-    scaled by its 1 / rms, from PARTS such sums at sq_ptr, before the epilogue."""
+    scaled by its 1 / rms, from PARTS such sums at sq_ptr, before the epilogue.
+    ARGMAX: program n also stores, per row, the maximum of its stored columns and the first column
+    holding it at amax_val_ptr / amax_idx_ptr [M, tiles] (`decode_linear(..., argmax=)`)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -201,6 +207,13 @@ def _linear_kernel(
             tl.store(sq_ptr + tl.program_id(0) * stride_sq + offs_m, tl.sum(new32 * new32, 1), mask=mask_m)
     else:
         tl.store(out_ptrs, acc.to(dtype), mask=mask)
+        if ARGMAX:  # of the values as stored (rounded to dtype); masked columns never win
+            vals = tl.where(mask, acc.to(dtype).to(tl.float32), float("-inf"))
+            best = tl.max(vals, 1)
+            first = tl.min(tl.where(vals == best[:, None], offs_n[None, :], N), 1)
+            part_at = offs_m * tl.num_programs(0) + tl.program_id(0)
+            tl.store(amax_val_ptr + part_at, best, mask=mask_m)
+            tl.store(amax_idx_ptr + part_at, first, mask=mask_m)
 
 
 def early_weights(splits: int) -> bool:
@@ -249,13 +262,23 @@ def rows_per_variant() -> tuple[int, ...]:
 
 
 def decode_linear(
-    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, config: LinearConfig | None = None
+    x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, config: LinearConfig | None = None,
+    argmax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], rows contiguous, M <= MAX_ROWS -> [M, N] in out_dtype
-    (default x.dtype), fp32 accumulation; fp32 inputs use IEEE (not tf32) products."""
+    (default x.dtype), fp32 accumulation; fp32 inputs use IEEE (not tf32) products.
+    `argmax`: int64 [M], written with each row's argmax of the result (the first index of its
+    maximum, as `torch.argmax` of the returned tensor): a greedy step's tokens from the LM head's
+    epilogue — each program reduces the columns it stores, one small launch merges the
+    partials — instead of a second pass over the logits (`kernels.argmax_rows` reads 33 MB of
+    fp32 logits again at 64 rows of a 128k vocabulary)."""
     if config is not None and config.splits != 1:
         raise ValueError("decode_linear() takes an unsplit config; use decode_linear_partials()")
-    return _launch(x, weight, out_dtype, config)
+    if argmax is not None and (argmax.shape != (x.shape[0],) or argmax.dtype != torch.int64
+                               or argmax.device != x.device):
+        raise ValueError(f"argmax must be int64 [{x.shape[0]}] on {x.device}, got {tuple(argmax.shape)} "
+                         f"{argmax.dtype} on {argmax.device}")
+    return _launch(x, weight, out_dtype, config, argmax=argmax)
 
 
 def decode_linear_glu(
@@ -316,7 +339,8 @@ def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: Linear
     return _launch(x, weight, torch.float32, config)
 
 
-def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm: RowNorm | None = None):
+def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm: RowNorm | None = None,
+            argmax: torch.Tensor | None = None):
     """`out`, or with `residual` the squares' partials (`decode_linear_add`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
@@ -347,20 +371,27 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
         squares = x if norm is None else norm.squares
     check_row_norm(norm, rows)
     early = early_weights(ranges)
+    if argmax is not None:  # unsplit, plain: the partials of each program's stored columns
+        amax_val = torch.empty(rows, tiles, dtype=torch.float32, device=x.device)
+        amax_idx = torch.empty(rows, tiles, dtype=torch.int32, device=x.device)
+    else:
+        amax_val = amax_idx = x  # unused pointers
     if rows > 0:
         _linear_kernel[(tiles, ranges)](
             x, weight, out, squares, residual if residual is not None else x,
-            arrivals(x.device, tiles) if residual is not None and ranges > 1 else x,
+            arrivals(x.device, tiles) if residual is not None and ranges > 1 else x, amax_val, amax_idx,
             rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0),
             residual.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
             K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
             PARTS=norm.squares.shape[0] if norm is not None else 1,
-            PARTS_BLOCK=parts_block(norm), SPLITS=ranges,
+            PARTS_BLOCK=parts_block(norm), SPLITS=ranges, ARGMAX=argmax is not None,
             num_warps=num_warps,
             num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
             **pdl_launch(x.device),
         )
+        if argmax is not None:
+            merge_argmax(amax_val, amax_idx, argmax, n)
     return squares if residual is not None else out
 
 

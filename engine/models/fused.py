@@ -251,11 +251,15 @@ def fused_layers_forward(
     return residual + x
 
 
-def logits(norm, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """float32 logits [N, vocab] of hidden [N, H] through the final RMSNorm `norm`."""
+def head(norm, hidden: torch.Tensor, weight: torch.Tensor, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """float32 logits [N, vocab] of hidden [N, H] through the final RMSNorm `norm`; with `argmax`,
+    also each row's argmax (int64 [N]) where our LM-head kernel runs: reduced in its epilogue and
+    merged in one small launch instead of a second pass over the fp32 logits
+    (`kernels.decode_linear(..., argmax=)`); else None (cuBLAS ran: the caller takes it)."""
     from splitserve.kernels.linear import MAX_ROWS
 
     x = kernels.rms_norm(hidden, norm.weight, norm.eps)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_ROWS:
-        return kernels.decode_linear(x, weight, out_dtype=torch.float32)
-    return F.linear(x, weight).float()
+        ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device) if argmax else None
+        return kernels.decode_linear(x, weight, out_dtype=torch.float32, argmax=ids), ids
+    return F.linear(x, weight).float(), None

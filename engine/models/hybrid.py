@@ -119,6 +119,14 @@ class HybridCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
+        return self._logits(hidden)
+
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """`compute_logits`; the argmax is the caller's (as `CausalLM.logits_and_argmax` where
+        no kernel took it)."""
+        return self._logits(hidden), None
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.norm_f(hidden)
         weight = self.embeddings.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(x, weight).float()

@@ -21,7 +21,7 @@ from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.models.fused import fuse_projections, fused_layers_forward
-from splitserve.engine.models.fused import logits as fused_logits
+from splitserve.engine.models.fused import head as fused_head
 from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
@@ -154,10 +154,18 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
+        return self._head(hidden, False)[0]
+
+    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`compute_logits`, and each row's argmax where the LM head's kernel took it in its
+        epilogue (fused models on the GPU at decode sizes), else None: the caller takes it."""
+        return self._head(hidden, True)
+
+    def _head(self, hidden: torch.Tensor, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.fused:
-            return fused_logits(self.norm, hidden, weight)
-        return F.linear(self.norm(hidden), weight).float()
+            return fused_head(self.norm, hidden, weight, argmax)
+        return F.linear(self.norm(hidden), weight).float(), None
 
 
 def build_model(cfg: ModelConfig, ps: ParallelState, path: str, dtype: torch.dtype, device: torch.device) -> CausalLM:

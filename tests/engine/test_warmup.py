@@ -86,10 +86,13 @@ def test_the_lm_head_runs_at_the_row_counts_the_rounds_miss(llama_ckpt):
     """(On a GPU: its kernel variants compiled before serving.) Each of LOGIT_ROWS, once, and
     they reach every variant any row count the kernel takes compiles."""
     engine = LLM(str(llama_ckpt), **OPTIONS).engine
-    seen = []
-    head = engine.runner.model.compute_logits
-    engine.runner.model.compute_logits = lambda hidden: seen.append(hidden.shape[0]) or head(hidden)
-    assert compile_logit_rows(engine) == len(LOGIT_ROWS) and tuple(seen) == LOGIT_ROWS
+    seen, model = [], engine.runner.model
+    plain, with_argmax = model.compute_logits, model.logits_and_argmax
+    model.compute_logits = lambda hidden: seen.append(("plain", hidden.shape[0])) or plain(hidden)
+    model.logits_and_argmax = lambda hidden: seen.append(("argmax", hidden.shape[0])) or with_argmax(hidden)
+    # both forms: chunks that end a prompt take plain logits, decode steps the epilogue's argmax
+    assert compile_logit_rows(engine) == len(LOGIT_ROWS)
+    assert seen == [(form, rows) for rows in LOGIT_ROWS for form in ("plain", "argmax")]
     every = {row_variant(rows) for rows in range(1, MAX_ROWS + 1)}
     assert {row_variant(rows) for rows in LOGIT_ROWS} == every and len(LOGIT_ROWS) == len(every) == 7
 

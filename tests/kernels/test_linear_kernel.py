@@ -50,6 +50,34 @@ def test_decode_linear_fp32_out_from_half_inputs(device):
     torch.testing.assert_close(got, linear_reference(x, w, out_dtype=torch.float32), rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("rows,n,config", [(1, 200, LinearConfig(64, 64)), (5, 96, LinearConfig(32, 64)),
+                                           (64, 130, None)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_argmax_from_the_epilogue_is_torch_argmax_of_the_result(rows, n, config, out_dtype, device):
+    """Per-tile partials merged: the first index of each row's maximum of the values as stored,
+    ties inside a tile and across tiles included (duplicated weight rows give equal logits)."""
+    g = torch.Generator().manual_seed(rows + n)
+    x = torch.randn(rows, 64, generator=g).abs()  # positive: a positive weight row's logit is large
+    x[0::2, 0], x[1::2, 0] = 0.0, 1.0
+    w = 0.1 * torch.randn(n, 64, generator=g)
+    w[n - 1] = w[3] = w[40] = 0.5  # the same top value three times: two tiles, then the last tile
+    w[70] = 0.0
+    w[70, 0] = 100.0  # ... beaten at column 70 in odd rows only (x[:, 0] = 1 there)
+    ids = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    got = decode_linear(x.half().to(device), w.half().to(device), out_dtype=out_dtype, config=config, argmax=ids)
+    torch.testing.assert_close(ids, got.argmax(dim=-1), rtol=0, atol=0)
+    want = torch.where(torch.arange(rows) % 2 == 1, 70, 3).to(device)
+    torch.testing.assert_close(ids, want, rtol=0, atol=0)
+
+
+def test_argmax_wants_an_int64_row_per_token(device):
+    x, w = torch.zeros(2, 64, device=device), torch.zeros(8, 64, device=device)
+    with pytest.raises(ValueError, match="int64"):
+        decode_linear(x, w, argmax=torch.zeros(2, dtype=torch.int32, device=device))
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        decode_linear(x, w, argmax=torch.zeros(3, dtype=torch.int64, device=device))
+
+
 def test_decode_linear_rejects_bad_shapes(device):
     w = torch.zeros(8, 64, device=device)
     with pytest.raises(ValueError, match="does not fit"):
