@@ -14,6 +14,8 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
   (`kernels.projection_configs`);
 - `lm_head=BN,BK,WARPS,STAGES`: the LM head's config (`kernels.decode_linear`'s default);
 - `attn=BLOCK_N,WARPS,STAGES`: the unsplit decode attention's token step and launch settings;
+- `greedy=pass`: the greedy tokens taken by an argmax pass over the logits
+  (`kernels.argmax_rows`) instead of from the LM head's epilogue;
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
   wait (`kernels.linear.early_weights`).
 
@@ -50,6 +52,7 @@ CANDIDATES = {
                 "256,64,8,4", "256,128,8,3", "32,256,4,4"],
     "attn": ["64,4,3", "64,2,4", "32,2,6", "128,4,4", "128,8,3", "64,4,4", "256,8,2"],
     "early": ["all"],
+    "greedy": ["pass"],
 }
 
 
@@ -79,6 +82,12 @@ def apply(kind: str, value: str):
         old_early = linear.early_weights
         linear.early_weights = lambda ranges: True
         return lambda: setattr(linear, "early_weights", old_early)
+    if kind == "greedy" and value == "pass":
+        from splitserve.engine.models.llama import CausalLM
+
+        old_head = CausalLM.logits_and_argmax
+        CausalLM.logits_and_argmax = lambda self, hidden: (self.compute_logits(hidden), None)
+        return lambda: setattr(CausalLM, "logits_and_argmax", old_head)
     raise SystemExit(f"unknown candidate {kind}={value}")
 
 
