@@ -23,6 +23,7 @@ __all__ = [
     "DecodeWorkspace",
     "apply_rotary_qk",
     "apply_rotary_qk_and_write_kv",
+    "add_residual",
     "adjust_logit_rows",
     "argmax_rows",
     "RowNorm",
@@ -53,6 +54,7 @@ _LAZY = {
     "paged_prefill_attention": "paged_prefill",
     "write_kv": "kv_write",
     "rms_norm": "norm",
+    "add_residual": "norm",
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
     "adjust_logit_rows": "logit_adjust",
@@ -80,7 +82,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .linear import RowNorm, decode_linear, decode_linear_add, decode_linear_glu, decode_linear_partials
     from .logit_adjust import adjust_logit_rows
     from .logprobs import row_logprobs
-    from .norm import rms_norm
+    from .norm import add_residual, rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention
     from .qkv_rotary import decode_qkv_rotary

@@ -25,7 +25,7 @@ from ._common import check_last_dim_contiguous, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
 from .elementwise_reference import rms_norm_reference
 
-__all__ = ["rms_norm", "rms_norm_reference"]
+__all__ = ["add_residual", "rms_norm", "rms_norm_reference"]
 
 
 @triton.jit
@@ -43,6 +43,7 @@ def _rms_norm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     PARTS: tl.constexpr,
+    NORMALIZE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -64,11 +65,12 @@ def _rms_norm_kernel(
     else:
         x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
         dtype = x.dtype
-    x32 = x.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
-    normed = (x32 * rstd).to(dtype).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
+    if NORMALIZE:  # (add_residual: the sum alone)
+        x32 = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, 0) / HIDDEN + eps)
+        normed = (x32 * rstd).to(dtype).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_out + offs, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def rms_norm(
@@ -77,6 +79,24 @@ def rms_norm(
     """x [T, H] -> [T, H] in x.dtype. With `residual` [T, H]: residual <- x + residual
     (in place) and the norm is taken of that sum; x may then be fp32 split-K partials [S, T, H]
     (see the module docstring), and the result is in residual's dtype. Rows must be contiguous."""
+    return _launch(x, weight, eps, residual, True)
+
+
+def add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual <- x + residual in place, rounded as `rms_norm(x, ..., residual=)` adds (x [T, H],
+    or fp32 split-K partials [S, T, H] summed in order and rounded first), with no norm taken;
+    returns residual. The end of a stage's decoder layers, whose output is the residual stream:
+    one launch under programmatic dependent launch where torch's sum, cast and add were three
+    plain ones (~7 µs of a batch-64 decode step on an H100, benchmarks/RESULTS.md session 31)."""
+    if residual is None or residual.dim() != 2:
+        raise ValueError(f"add_residual needs a residual [T, H], got {None if residual is None else tuple(residual.shape)}")
+    if residual.shape[0] == 0:
+        return residual
+    _launch(x, residual[0], 0.0, residual, False)  # (a weight of the right shape; not read)
+    return residual
+
+
+def _launch(x, weight, eps, residual, normalize: bool) -> torch.Tensor:
     parts = x.shape[0] if x.dim() == 3 else 0
     if parts and (residual is None or x.dtype != torch.float32):
         raise ValueError("x as partials [S, T, H] must be float32 and come with a residual")
@@ -86,7 +106,7 @@ def rms_norm(
     if residual is not None and (residual.shape != rows.shape or (not parts and residual.dtype != x.dtype)):
         raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}")
     check_last_dim_contiguous("x", x)
-    out = torch.empty_like(residual if parts else x)
+    out = torch.empty_like(residual if parts else x) if normalize else residual  # (not written unless normalize)
     num_tokens, hidden = rows.shape
     if num_tokens == 0:
         return out
@@ -95,7 +115,7 @@ def rms_norm(
     check_last_dim_contiguous("residual", res)
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, rows.stride(0), x.stride(0) if parts else 0, res.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts, NORMALIZE=normalize,
         num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
     return out

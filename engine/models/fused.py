@@ -246,9 +246,9 @@ def fused_layers_forward(
         x, squares = _down(layer.mlp, act, residual if fold else None)
     if residual is None or x is None:
         return hidden
-    if x.dim() == 3:  # the last layer's split-K partials: summed and rounded as the norm would
-        x = x.sum(0).to(residual.dtype)
-    return residual + x
+    # the last layer's down projection (split-K partials summed and rounded as the norm would) into
+    # the residual stream: one launch under PDL, not torch's sum, cast and add
+    return kernels.add_residual(x, residual)
 
 
 def head(norm, hidden: torch.Tensor, weight: torch.Tensor, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,7 +12,7 @@ from splitserve.engine.models.rope import RotaryEmbedding  # noqa: E402
 from splitserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from splitserve.kernels.argmax import argmax_rows  # noqa: E402
 from splitserve.kernels.kv_write import write_kv_reference  # noqa: E402
-from splitserve.kernels.norm import rms_norm, rms_norm_reference  # noqa: E402
+from splitserve.kernels.norm import add_residual, rms_norm, rms_norm_reference  # noqa: E402
 from splitserve.kernels.rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv, rotary_reference  # noqa: E402
 
 
@@ -60,6 +60,26 @@ def test_rms_norm_of_split_partials_is_the_norm_of_their_rounded_sum(parts, devi
     want = rms_norm(x.half(), w, 1e-5, res_plain)
     got = rms_norm(partials, w, 1e-5, res)
     assert got.dtype == torch.float16 and torch.equal(got, want) and torch.equal(res, res_plain)
+
+
+@pytest.mark.parametrize("parts", [0, 1, 3])
+def test_add_residual_is_the_residual_add_of_rms_norm(parts, device):
+    """The end of a stage's layers: the residual stream updated exactly as `rms_norm(...,
+    residual=)` updates it (partials summed in order, rounded, then added), with no norm."""
+    g = torch.Generator().manual_seed(10 + parts)
+    x = torch.randn(*((parts,) if parts else ()), 5, 96, generator=g)
+    x = (x if parts else x.half()).to(device)
+    res = torch.randn(5, 96, generator=g).half().to(device)
+    summed = x[0].clone() if parts else x.float()
+    for part in x[1:parts]:
+        summed += part
+    want = (summed.half().float() + res.float()).half()
+    res_norm = res.clone()
+    rms_norm(x, torch.ones(96, dtype=torch.float16, device=device), 1e-5, res_norm)
+    got = add_residual(x, res)
+    assert got is res and torch.equal(res, want) and torch.equal(res, res_norm)
+    with pytest.raises(ValueError, match="residual"):
+        add_residual(x, None)
 
 
 @pytest.mark.parametrize(
