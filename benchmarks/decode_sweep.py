@@ -16,6 +16,9 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
 - `attn=BLOCK_N,WARPS,STAGES`: the unsplit decode attention's token step and launch settings;
 - `greedy=pass`: the greedy tokens taken by an argmax pass over the logits
   (`kernels.argmax_rows`) instead of from the LM head's epilogue;
+- `rope=compute`: cos / sin computed each step instead of gathered from the table;
+- `tail=torch`: the last layer's down projection added to the residual stream by torch (sum,
+  cast, add) instead of `kernels.add_residual`;
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
   wait (`kernels.linear.early_weights`).
 
@@ -53,6 +56,8 @@ CANDIDATES = {
     "attn": ["64,4,3", "64,2,4", "32,2,6", "128,4,4", "128,8,3", "64,4,4", "256,8,2"],
     "early": ["all"],
     "greedy": ["pass"],
+    "rope": ["compute"],
+    "tail": ["torch"],
 }
 
 
@@ -88,6 +93,16 @@ def apply(kind: str, value: str):
         old_head = CausalLM.logits_and_argmax
         CausalLM.logits_and_argmax = lambda self, hidden: (self.compute_logits(hidden), None)
         return lambda: setattr(CausalLM, "logits_and_argmax", old_head)
+    if kind == "rope" and value == "compute":
+        from splitserve.engine.models.rope import RotaryEmbedding
+
+        old_table = RotaryEmbedding._table
+        RotaryEmbedding._table = lambda self, device, dtype: None
+        return lambda: setattr(RotaryEmbedding, "_table", old_table)
+    if kind == "tail" and value == "torch":
+        old_add = kernels.add_residual
+        kernels.add_residual = lambda x, residual: residual + (x.sum(0).to(residual.dtype) if x.dim() == 3 else x)
+        return lambda: setattr(kernels, "add_residual", old_add)
     raise SystemExit(f"unknown candidate {kind}={value}")
 
 

@@ -111,7 +111,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.ps = ps
         self.layer_start, self.layer_end = stage_layer_range(cfg.num_layers, ps.pp_size, ps.pp_rank)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings)
         needs_embed = ps.is_first_stage or (ps.is_last_stage and cfg.tie_word_embeddings)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if needs_embed else None
         self.layers = nn.ModuleList(DecoderLayer(cfg, ps) for _ in range(self.layer_end - self.layer_start))
@@ -183,7 +183,7 @@ def build_model(cfg: ModelConfig, ps: ParallelState, path: str, dtype: torch.dty
     with torch.device("meta"):
         model = CausalLM(cfg, ps)
     model = model.to_empty(device=device)
-    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).to(device)
+    model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.max_position_embeddings).to(device)
     load_weights(model, path, dtype, device)
     if device.type == "cuda" and kernels.triton_available():
         fuse_projections(model)

@@ -37,16 +37,58 @@ def _llama3(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+TABLE_MAX_BYTES = 128 << 20
+"""Largest cos/sin table a RotaryEmbedding keeps per device and dtype (Llama-3.2-1B: 131,072
+positions x 2 x 64 bf16 = 33.5 MB); longer contexts compute cos/sin per step."""
+
+
 class RotaryEmbedding(torch.nn.Module):
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
+    """cos / sin of the rotary angles. On CUDA they are gathered from a table of every position
+    up to `max_positions`, built once per dtype outside any CUDA-graph capture (the warm-up's
+    eager steps build it before the decode graphs are captured): one gather kernel a step where
+    computing them took ~7 elementwise kernels (a cast, a product, a cat, cos, sin and two casts:
+    ~8 µs of a batch-64 decode step on an H100, outside programmatic dependent launch,
+    benchmarks/RESULTS.md session 31). The table holds what the per-step computation gives,
+    bit for bit: the same ops on the same device, element by element. The CPU keeps computing
+    them (vectorized and scalar cos may differ in the last bit there)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, max_positions: int = 0):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
+        self.max_positions = max_positions
+        self._tables: dict[tuple, torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> cos, sin [T, head_dim]."""
+        """positions [T] -> cos, sin [T, head_dim] (on CUDA: views of one gathered [T, 2 * head_dim])."""
+        table = self._table(positions.device, dtype) if positions.is_cuda else None
+        if table is None:
+            return self._compute(positions, dtype)
+        both = table.index_select(0, positions)
+        half = both.shape[1] // 2
+        return both[:, :half], both[:, half:]
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _table(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+        key = (device, dtype)
+        table = self._tables.get(key)
+        if table is not None or self.max_positions <= 0:
+            return table
+        row_bytes = 2 * 2 * self.inv_freq.numel() * torch.empty((), dtype=dtype).element_size()
+        if self.max_positions * row_bytes > TABLE_MAX_BYTES or (
+            device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+        ):
+            return None  # (captured without one: the graph computes them, as before)
+        table = torch.empty(self.max_positions, 4 * self.inv_freq.numel(), dtype=dtype, device=device)
+        for start in range(0, self.max_positions, 1 << 15):  # bounded fp32 temporaries
+            stop = min(start + (1 << 15), self.max_positions)
+            cos, sin = self._compute(torch.arange(start, stop, device=device), dtype)
+            table[start:stop] = torch.cat((cos, sin), dim=-1)
+        self._tables[key] = table
+        return table
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
