@@ -23,16 +23,8 @@ import triton.language as tl
 
 from ._common import cdiv, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
-from .linear import (
-    MAX_ROWS,
-    LinearConfig,
-    RowNorm,
-    check_row_norm,
-    parts_block,
-    rows_rstd,
-    split_halves,
-    stream_weight_tile,
-)
+from .linear import MAX_ROWS, LinearConfig, RowNorm, check_row_norm, parts_block
+from .weight_stream import rows_rstd, split_halves, stream_weight_tile
 
 __all__ = ["decode_qkv_rotary"]
 
