@@ -77,14 +77,15 @@ class RotaryEmbedding(torch.nn.Module):
         table = self._tables.get(key)
         if table is not None or self.max_positions <= 0:
             return table
-        row_bytes = 2 * 2 * self.inv_freq.numel() * torch.empty((), dtype=dtype).element_size()
-        if self.max_positions * row_bytes > TABLE_MAX_BYTES or (
+        width = 4 * self.inv_freq.numel()  # cos and sin rows, each head_dim = 2 x the frequencies
+        if self.max_positions * width * dtype.itemsize > TABLE_MAX_BYTES or (
             device.type == "cuda" and torch.cuda.is_current_stream_capturing()
         ):
             return None  # (captured without one: the graph computes them, as before)
-        table = torch.empty(self.max_positions, 4 * self.inv_freq.numel(), dtype=dtype, device=device)
-        for start in range(0, self.max_positions, 1 << 15):  # bounded fp32 temporaries
-            stop = min(start + (1 << 15), self.max_positions)
+        table = torch.empty(self.max_positions, width, dtype=dtype, device=device)
+        chunk = 1 << 15  # positions per build step: bounded fp32 temporaries
+        for start in range(0, self.max_positions, chunk):
+            stop = min(start + chunk, self.max_positions)
             cos, sin = self._compute(torch.arange(start, stop, device=device), dtype)
             table[start:stop] = torch.cat((cos, sin), dim=-1)
         self._tables[key] = table
