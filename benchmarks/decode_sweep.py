@@ -19,6 +19,8 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
 - `rope=compute`: cos / sin computed each step instead of gathered from the table;
 - `tail=torch`: the last layer's down projection added to the residual stream by torch (sum,
   cast, add) instead of `kernels.add_residual`;
+- `logits=all`: the LM head stores every row's logits, also those of greedy rows that need only
+  their argmax (`engine.cuda_graphs.SKIP_UNREAD_LOGITS`);
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
   wait (`kernels.linear.early_weights`).
 
@@ -58,6 +60,7 @@ CANDIDATES = {
     "greedy": ["pass"],
     "rope": ["compute"],
     "tail": ["torch"],
+    "logits": ["all"],
 }
 
 
@@ -91,7 +94,7 @@ def apply(kind: str, value: str):
         from splitserve.engine.models.llama import CausalLM
 
         old_head = CausalLM.logits_and_argmax
-        CausalLM.logits_and_argmax = lambda self, hidden: (self.compute_logits(hidden), None)
+        CausalLM.logits_and_argmax = lambda self, hidden, keep_rows=None: (self.compute_logits(hidden), None)
         return lambda: setattr(CausalLM, "logits_and_argmax", old_head)
     if kind == "rope" and value == "compute":
         from splitserve.engine.models.rope import RotaryEmbedding
@@ -103,6 +106,11 @@ def apply(kind: str, value: str):
         old_add = kernels.add_residual
         kernels.add_residual = lambda x, residual: residual + (x.sum(0).to(residual.dtype) if x.dim() == 3 else x)
         return lambda: setattr(kernels, "add_residual", old_add)
+    if kind == "logits" and value == "all":
+        from splitserve.engine import cuda_graphs
+
+        cuda_graphs.SKIP_UNREAD_LOGITS = False
+        return lambda: setattr(cuda_graphs, "SKIP_UNREAD_LOGITS", True)
     raise SystemExit(f"unknown candidate {kind}={value}")
 
 

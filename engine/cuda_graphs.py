@@ -36,7 +36,7 @@ from splitserve.engine.sampler_graphs import SamplerGraphs
 class _Static:
     """A bucket's graph and its inputs: one int64 device buffer
 
-        [ids (B) | positions (B) | slots (B) | ctx_lens (B) | tables (B x context bucket blocks)]
+        [ids (B) | positions (B) | slots (B) | ctx_lens (B) | keep (B) | tables (B x context bucket blocks)]
 
     filled by one non-blocking copy from a pinned host twin per step. The twins alternate: with
     async scheduling step N + 1 is launched before step N is collected, so the copy of step N
@@ -47,8 +47,8 @@ class _Static:
     buffer: torch.Tensor
     hosts: tuple[torch.Tensor, torch.Tensor]
     template: torch.Tensor
-    """Host buffer of an all-padding batch; each step starts its ids, positions, slots and
-    context lengths from a copy of it (the table rows are kept up to date by `_write_row`)."""
+    """Host buffer of an all-padding batch; each step starts its ids, positions, slots,
+    context lengths and keep flags from a copy of it (the table rows are kept up to date by `_write_row`)."""
     pad: object = None
     """numpy view of the template's table rows (all padding), what `_write_row` resets rows to."""
     rows: tuple[list, list] = ((), ())
@@ -67,10 +67,20 @@ class _Static:
     """flashinfer backend: the graph's `GraphDecode`, planned before each replay."""
 
 
+_ROW_FIELDS = 5
+"""ids, positions, slots, ctx_lens, keep: one int64 each per row, before the table rows."""
+
+SKIP_UNREAD_LOGITS = True
+"""Rows of a decode graph whose logits nobody reads (`SamplingParams.argmax_only`) are not stored by the LM
+head (`kernels.decode_linear(..., keep_rows=)`): a batch-64 step of a 128k vocabulary writes
+33 MB of fp32 logits, ~8 µs of an H200's bandwidth, for greedy rows that need only their argmax.
+False stores every row (an A/B switch for benchmarks/decode_sweep.py; takes effect at capture)."""
+
+
 def _fields(buf: torch.Tensor, bucket: int) -> tuple[torch.Tensor, ...]:
-    """(ids, positions, slots, ctx_lens, tables) views of a bucket's input buffer."""
-    ids, positions, slots, ctx_lens = buf[: 4 * bucket].view(4, bucket)
-    return ids, positions, slots, ctx_lens, buf[4 * bucket :].view(bucket, -1)
+    """(ids, positions, slots, ctx_lens, keep, tables) views of a bucket's input buffer."""
+    ids, positions, slots, ctx_lens, keep = buf[: _ROW_FIELDS * bucket].view(_ROW_FIELDS, bucket)
+    return ids, positions, slots, ctx_lens, keep, buf[_ROW_FIELDS * bucket :].view(bucket, -1)
 
 
 def _write_row(tables, rows: list, i: int, blocks: list[int], n: int, pad) -> None:
@@ -165,9 +175,9 @@ class DecodeGraphs:
         bucket = static.logits.shape[0]
         host, rows = static.hosts[static.turn], static.rows[static.turn]
         static.turn ^= 1
-        head = 4 * bucket
+        head = _ROW_FIELDS * bucket
         host[:head].copy_(static.template[:head])
-        ids, positions, slots, ctx_lens, tables = (v.numpy() for v in _fields(host, bucket))
+        ids, positions, slots, ctx_lens, keep, tables = (v.numpy() for v in _fields(host, bucket))
         for i, chunk in enumerate(chunks):
             req, pos = chunk.request, chunk.start
             blocks = req.block_ids
@@ -176,6 +186,7 @@ class DecodeGraphs:
             positions[i] = pos
             slots[i] = blocks[n - 1] * bs + pos % bs
             ctx_lens[i] = pos + 1
+            keep[i] = not req.params.argmax_only
             _write_row(tables, rows, i, blocks, n, static.pad)
         _clear_rows(tables, rows, batch, static.pad)
         static.buffer.copy_(host, non_blocking=True)
@@ -214,8 +225,8 @@ class DecodeGraphs:
 
     def _padding(self, bucket: int, width: int) -> torch.Tensor:
         """An all-padding batch: rows point at the scratch block (position 0, context 1)."""
-        buf = torch.zeros(bucket * (4 + width), dtype=torch.long)
-        ids, positions, slots, ctx_lens, tables = _fields(buf, bucket)
+        buf = torch.zeros(bucket * (_ROW_FIELDS + width), dtype=torch.long)
+        ids, positions, slots, ctx_lens, _, tables = _fields(buf, bucket)  # keep 0: padding's logits go unread
         slots.fill_(self.scratch_block * self.block_size)
         ctx_lens.fill_(1)
         tables.fill_(self.scratch_block)
@@ -226,9 +237,10 @@ class DecodeGraphs:
         device = self.kv_caches[0].device
         template = self._padding(bucket, width)
         hosts = (template.pin_memory(), template.pin_memory())  # pinned copies: every row padding
-        static = _Static(template.to(device), hosts, template, pad=_fields(template, bucket)[4].numpy(),
+        static = _Static(template.to(device), hosts, template, pad=_fields(template, bucket)[5].numpy(),
                          rows=([None] * bucket, [None] * bucket))
-        ids, positions, slots, ctx_lens, tables = _fields(static.buffer, bucket)
+        ids, positions, slots, ctx_lens, keep, tables = _fields(static.buffer, bucket)
+        keep_rows = keep if SKIP_UNREAD_LOGITS else None
         planned = None
         if self.flashinfer is not None:
             from splitserve.engine import attention_flashinfer
@@ -237,7 +249,7 @@ class DecodeGraphs:
                 self._fi_workspace = attention_flashinfer.workspace(device)
             static.flashinfer = attention_flashinfer.GraphDecode(device, self.flashinfer, bucket, width,
                                                                  self._fi_workspace)
-            _, _, _, host_lens, host_tables = _fields(template, bucket)
+            _, _, _, host_lens, _, host_tables = _fields(template, bucket)
             static.flashinfer.plan(host_tables.numpy(), host_lens.numpy())
             planned = static.flashinfer.planned
         meta = AttentionMetadata(
@@ -251,7 +263,8 @@ class DecodeGraphs:
 
         def forward() -> tuple[torch.Tensor, torch.Tensor]:
             hidden = self.model(positions, meta, self.kv_caches, input_ids=ids)
-            logits, greedy = self.model.logits_and_argmax(hidden)  # greedy: from the LM head's epilogue
+            # greedy: from the LM head's epilogue; rows with keep 0 get no logits stored
+            logits, greedy = self.model.logits_and_argmax(hidden, keep_rows)
             # else a pass of our own: torch gives a row to one SM, slow for 128k vocabularies
             return logits, greedy if greedy is not None else kernels.argmax_rows(logits)
 

@@ -91,6 +91,8 @@ class SamplingParams:
         check_penalty("frequency_penalty", self.frequency_penalty)
         adjusts = bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         object.__setattr__(self, "_adjusts", adjusts)  # read per row per step: not recomputed
+        wants_logprobs = bool(self.return_log_probs or self.top_n_logprobs)
+        object.__setattr__(self, "_argmax_only", self.is_greedy and not adjusts and not wants_logprobs)
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:
@@ -113,6 +115,13 @@ class SamplingParams:
         """A logit bias or a penalty: the row is scored on the host from its own logits (never a
         shared argmax or the batched device draw) — engine/adjusted_rows.py."""
         return self._adjusts
+
+    @property
+    def argmax_only(self) -> bool:
+        """The row's token is the argmax of its raw logits and nothing else reads them: greedy,
+        no bias or penalties, no log-probs (a decode graph then leaves its logits unstored,
+        engine/cuda_graphs.py)."""
+        return self._argmax_only
 
     def max_new_tokens(self, prompt_len: int) -> int:
         """New tokens allowed for a prompt of `prompt_len` tokens (may be <= 0)."""

@@ -55,6 +55,7 @@ def _linear_kernel(
     count_ptr,
     amax_val_ptr,
     amax_idx_ptr,
+    keep_ptr,
     M,
     N,
     stride_xm,
@@ -78,6 +79,7 @@ def _linear_kernel(
     PARTS_BLOCK: tl.constexpr,
     SPLITS: tl.constexpr,
     ARGMAX: tl.constexpr,
+    KEEP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """GLU: w holds N gate rows then N up rows; program n's tile is BLOCK_N / 2 gate rows and
@@ -93,7 +95,9 @@ def _linear_kernel(
     NORM: the sums are of an RMSNorm of x whose weight is folded into w (`RowNorm`): each row is
     scaled by its 1 / rms, from PARTS such sums at sq_ptr, before the epilogue.
     ARGMAX: program n also stores, per row, the maximum of its stored columns and the first column
-    holding it at amax_val_ptr / amax_idx_ptr [M, tiles] (`decode_linear(..., argmax=)`)."""
+    holding it at amax_val_ptr / amax_idx_ptr [M, tiles] (`decode_linear(..., argmax=)`).
+    KEEP: only rows whose flag at keep_ptr [M] is nonzero are stored (the argmax still sees every
+    row: it reduces the values in registers)."""
     HALF_N: tl.constexpr = BLOCK_N // 2
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -144,7 +148,11 @@ def _linear_kernel(
             new32 = new.to(tl.float32)
             tl.store(sq_ptr + tl.program_id(0) * stride_sq + offs_m, tl.sum(new32 * new32, 1), mask=mask_m)
     else:
-        tl.store(out_ptrs, acc.to(dtype), mask=mask)
+        if KEEP:  # only the rows the caller reads
+            kept = tl.load(keep_ptr + offs_m, mask=mask_m, other=0) != 0
+            tl.store(out_ptrs, acc.to(dtype), mask=mask & kept[:, None])
+        else:
+            tl.store(out_ptrs, acc.to(dtype), mask=mask)
         if ARGMAX:  # of the values as stored (rounded to dtype); masked columns never win
             vals = tl.where(mask, acc.to(dtype).to(tl.float32), float("-inf"))
             best = tl.max(vals, 1)
@@ -201,7 +209,7 @@ def rows_per_variant() -> tuple[int, ...]:
 
 def decode_linear(
     x: torch.Tensor, weight: torch.Tensor, *, out_dtype: torch.dtype | None = None, config: LinearConfig | None = None,
-    argmax: torch.Tensor | None = None,
+    argmax: torch.Tensor | None = None, keep_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K], weight [N, K], rows contiguous, M <= MAX_ROWS -> [M, N] in out_dtype
     (default x.dtype), fp32 accumulation; fp32 inputs use IEEE (not tf32) products.
@@ -209,14 +217,22 @@ def decode_linear(
     maximum, as `torch.argmax` of the returned tensor): a greedy step's tokens from the LM head's
     epilogue — each program reduces the columns it stores, one small launch merges the
     partials — instead of a second pass over the logits (`kernels.argmax_rows` reads 33 MB of
-    fp32 logits again at 64 rows of a 128k vocabulary)."""
+    fp32 logits again at 64 rows of a 128k vocabulary).
+    `keep_rows`: integer [M] on x's device; only the rows where it is nonzero are stored, the
+    others of the result are left unwritten (their argmax is still taken): a decode graph's greedy
+    rows need only their token, and not storing their logits saves 33 MB of writes a batch-64
+    step of a 128k vocabulary (engine/cuda_graphs.py)."""
     if config is not None and config.splits != 1:
         raise ValueError("decode_linear() takes an unsplit config; use decode_linear_partials()")
     if argmax is not None and (argmax.shape != (x.shape[0],) or argmax.dtype != torch.int64
                                or argmax.device != x.device):
         raise ValueError(f"argmax must be int64 [{x.shape[0]}] on {x.device}, got {tuple(argmax.shape)} "
                          f"{argmax.dtype} on {argmax.device}")
-    return _launch(x, weight, out_dtype, config, argmax=argmax)
+    if keep_rows is not None and (keep_rows.shape != (x.shape[0],) or keep_rows.dtype.is_floating_point
+                                  or keep_rows.dtype.is_complex or keep_rows.device != x.device):
+        raise ValueError(f"keep_rows must be integer [{x.shape[0]}] on {x.device}, got {tuple(keep_rows.shape)} "
+                         f"{keep_rows.dtype} on {keep_rows.device}")
+    return _launch(x, weight, out_dtype, config, argmax=argmax, keep_rows=keep_rows)
 
 
 def decode_linear_glu(
@@ -278,7 +294,7 @@ def decode_linear_partials(x: torch.Tensor, weight: torch.Tensor, config: Linear
 
 
 def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm: RowNorm | None = None,
-            argmax: torch.Tensor | None = None):
+            argmax: torch.Tensor | None = None, keep_rows: torch.Tensor | None = None):
     """`out`, or with `residual` the squares' partials (`decode_linear_add`)."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
@@ -318,12 +334,14 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
         _linear_kernel[(tiles, ranges)](
             x, weight, out, squares, residual if residual is not None else x,
             arrivals(x.device, tiles) if residual is not None and ranges > 1 else x, amax_val, amax_idx,
+            keep_rows if keep_rows is not None else x,
             rows, n, x.stride(0), weight.stride(0), out.stride(-2), out.stride(0) if splits > 1 else 0, squares.stride(0),
             residual.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
             K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
             PARTS=norm.squares.shape[0] if norm is not None else 1,
             PARTS_BLOCK=parts_block(norm), SPLITS=ranges, ARGMAX=argmax is not None,
+            KEEP=keep_rows is not None,
             num_warps=num_warps,
             num_stages=max(1, num_stages - 1) if early else num_stages,  # the early tile is a stage
             **pdl_launch(x.device),

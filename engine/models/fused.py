@@ -251,15 +251,19 @@ def fused_layers_forward(
     return kernels.add_residual(x, residual)
 
 
-def head(norm, hidden: torch.Tensor, weight: torch.Tensor, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def head(norm, hidden: torch.Tensor, weight: torch.Tensor, argmax: bool, keep_rows: torch.Tensor | None = None
+         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """float32 logits [N, vocab] of hidden [N, H] through the final RMSNorm `norm`; with `argmax`,
     also each row's argmax (int64 [N]) where our LM-head kernel runs: reduced in its epilogue and
     merged in one small launch instead of a second pass over the fp32 logits
-    (`kernels.decode_linear(..., argmax=)`); else None (cuBLAS ran: the caller takes it)."""
+    (`kernels.decode_linear(..., argmax=)`); else None (cuBLAS ran: the caller takes it).
+    `keep_rows` (with `argmax`): integer [N], the rows whose logits are read; where our kernel runs,
+    the other rows' logits are left unwritten (`kernels.decode_linear(..., keep_rows=)`)."""
     from splitserve.kernels.linear import MAX_ROWS
 
     x = kernels.rms_norm(hidden, norm.weight, norm.eps)
     if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_ROWS:
         ids = torch.empty(x.shape[0], dtype=torch.int64, device=x.device) if argmax else None
-        return kernels.decode_linear(x, weight, out_dtype=torch.float32, argmax=ids), ids
+        keep = keep_rows if argmax else None
+        return kernels.decode_linear(x, weight, out_dtype=torch.float32, argmax=ids, keep_rows=keep), ids
     return F.linear(x, weight).float(), None

@@ -121,9 +121,10 @@ class HybridCausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
         return self._logits(hidden)
 
-    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """`compute_logits`; the argmax is the caller's (as `CausalLM.logits_and_argmax` where
-        no kernel took it)."""
+    def logits_and_argmax(self, hidden: torch.Tensor, keep_rows: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, None]:
+        """`compute_logits` (every row, whatever `keep_rows` says); the argmax is the caller's (as
+        `CausalLM.logits_and_argmax` where no kernel took it)."""
         return self._logits(hidden), None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -156,15 +156,19 @@ class CausalLM(nn.Module):
         """hidden [N, hidden] -> float32 logits [N, vocab] (last stage only)."""
         return self._head(hidden, False)[0]
 
-    def logits_and_argmax(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def logits_and_argmax(self, hidden: torch.Tensor, keep_rows: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`compute_logits`, and each row's argmax where the LM head's kernel took it in its
-        epilogue (fused models on the GPU at decode sizes), else None: the caller takes it."""
-        return self._head(hidden, True)
+        epilogue (fused models on the GPU at decode sizes), else None: the caller takes it.
+        `keep_rows`: integer [N], nonzero where the caller reads the row's logits; where the
+        kernel takes the argmax, the other rows' logits may be left unwritten."""
+        return self._head(hidden, True, keep_rows)
 
-    def _head(self, hidden: torch.Tensor, argmax: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _head(self, hidden: torch.Tensor, argmax: bool, keep_rows: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.fused:
-            return fused_head(self.norm, hidden, weight, argmax)
+            return fused_head(self.norm, hidden, weight, argmax, keep_rows)
         return F.linear(self.norm(hidden), weight).float(), None
 
 

@@ -179,6 +179,25 @@ def test_log_prob_requests_run_ahead_on_the_gpu(llama_ckpt):
     _assert_same([ahead[i] for i in greedy], [cpu[i] for i in greedy], atol=1e-4)  # GPU vs CPU sums
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_unread_logits_left_unstored_change_no_result(llama_ckpt, monkeypatch):
+    """bf16 decode graphs leave the logits of argmax-only rows unstored (engine/cuda_graphs.py):
+    in a batch that mixes them with rows that read their logits (log-probs, a draw, a penalty),
+    every token, log-prob and top-N equals a run that stores every row."""
+    from splitserve.engine import cuda_graphs
+
+    prompts = _prompts(6, seed=9)
+    params = [*_log_prob_params(16),
+              SamplingParams(num_tokens_to_generate=16, temperature=0.0, ignore_eos=True, presence_penalty=0.5),
+              SamplingParams(num_tokens_to_generate=18, temperature=0.0, ignore_eos=True)]
+    assert [p.argmax_only for p in params] == [False, False, False, True, False, True]
+    gpu = dict(device="cuda", enable_cuda_graphs=True, block_size_tokens=16, num_blocks=64, dtype="bfloat16")
+    _, skipped = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=True, **gpu)
+    monkeypatch.setattr(cuda_graphs, "SKIP_UNREAD_LOGITS", False)
+    _, stored = _log_probs_run(llama_ckpt, prompts, params, async_scheduling=True, **gpu)
+    _assert_same(skipped, stored, atol=0.0)
+
+
 def test_processed_log_probs_of_sampled_rows_keep_the_host_sampler(llama_ckpt):
     """Processed log-probs of a sampled row come from the host sampler at collect: such a
     request's steps are not run ahead, and results equal the plain engine's."""

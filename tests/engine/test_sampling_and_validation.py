@@ -44,6 +44,20 @@ def test_top_k_1_and_tiny_top_p_are_greedy(llm):
     assert greedy.generated_tokens == k1.generated_tokens == p0.generated_tokens
 
 
+@pytest.mark.parametrize("kwargs,argmax_only", [
+    (dict(temperature=0.0), True),
+    (dict(temperature=0.7, top_k=1), True),  # top-k 1 is greedy
+    (dict(temperature=0.7), False),
+    (dict(temperature=0.0, return_log_probs=True), False),
+    (dict(temperature=0.0, top_n_logprobs=2), False),
+    (dict(temperature=0.0, logit_bias={5: 1.0}), False),
+    (dict(temperature=0.0, frequency_penalty=0.3), False),
+])
+def test_argmax_only_rows_are_greedy_with_nothing_else_reading_their_logits(kwargs, argmax_only):
+    """The rows whose logits a decode graph may leave unstored (engine/cuda_graphs.py)."""
+    assert SamplingParams(num_tokens_to_generate=4, **kwargs).argmax_only is argmax_only
+
+
 def test_process_logits_masks_exactly():
     logits = torch.tensor([4.0, 3.0, 2.0, 1.0])
     x = process_logits(logits, SamplingParams(top_k=2))

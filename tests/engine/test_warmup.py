@@ -89,7 +89,7 @@ def test_the_lm_head_runs_at_the_row_counts_the_rounds_miss(llama_ckpt):
     seen, model = [], engine.runner.model
     plain, with_argmax = model.compute_logits, model.logits_and_argmax
     model.compute_logits = lambda hidden: seen.append(("plain", hidden.shape[0])) or plain(hidden)
-    model.logits_and_argmax = lambda hidden: seen.append(("argmax", hidden.shape[0])) or with_argmax(hidden)
+    model.logits_and_argmax = lambda hidden, keep_rows=None: seen.append(("argmax", hidden.shape[0])) or with_argmax(hidden)
     # both forms: chunks that end a prompt take plain logits, decode steps the epilogue's argmax
     assert compile_logit_rows(engine) == len(LOGIT_ROWS)
     assert seen == [(form, rows) for rows in LOGIT_ROWS for form in ("plain", "argmax")]

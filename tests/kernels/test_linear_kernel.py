@@ -70,6 +70,41 @@ def test_argmax_from_the_epilogue_is_torch_argmax_of_the_result(rows, n, config,
     torch.testing.assert_close(ids, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("rows,config", [(5, LinearConfig(32, 64)), (64, None)])
+def test_keep_rows_stores_only_the_flagged_rows_and_argmaxes_all(rows, config, device, monkeypatch):
+    """A decode graph's greedy rows need only their argmax: rows flagged 0 are left unwritten
+    (they keep what the allocation held, here a sentinel), the others equal the full result, and
+    every row's argmax is taken as without the flags."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=g).half().to(device)
+    w = (0.1 * torch.randn(150, 64, generator=g)).half().to(device)
+    full_ids = torch.empty(rows, dtype=torch.int64, device=device)
+    full = decode_linear(x, w, out_dtype=torch.float32, config=config, argmax=full_ids)
+    keep = (torch.arange(rows) % 3 == 1).to(device)
+    real_empty = torch.empty
+    sentinel = 12345.0
+
+    def empty_with_sentinel(*shape, dtype=None, device=None, **kwargs):
+        t = real_empty(*shape, dtype=dtype, device=device, **kwargs)
+        return t.fill_(sentinel) if dtype == torch.float32 and t.dim() == 2 and t.shape[1] == 150 else t
+
+    monkeypatch.setattr(torch, "empty", empty_with_sentinel)
+    ids = torch.full((rows,), -1, dtype=torch.int64, device=device)
+    got = decode_linear(x, w, out_dtype=torch.float32, config=config, argmax=ids, keep_rows=keep.long())
+    monkeypatch.undo()
+    torch.testing.assert_close(ids, full_ids, rtol=0, atol=0)
+    torch.testing.assert_close(got[keep], full[keep], rtol=0, atol=0)
+    assert bool((got[~keep] == sentinel).all())
+
+
+def test_keep_rows_must_be_an_integer_row_per_token(device):
+    x, w = torch.zeros(2, 64, device=device), torch.zeros(8, 64, device=device)
+    with pytest.raises(ValueError, match="integer"):
+        decode_linear(x, w, keep_rows=torch.ones(2, device=device))
+    with pytest.raises(ValueError, match=r"\[2\]"):
+        decode_linear(x, w, keep_rows=torch.ones(3, dtype=torch.int64, device=device))
+
+
 def test_argmax_wants_an_int64_row_per_token(device):
     x, w = torch.zeros(2, 64, device=device), torch.zeros(8, 64, device=device)
     with pytest.raises(ValueError, match="int64"):
