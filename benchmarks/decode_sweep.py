@@ -17,8 +17,12 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
 - `greedy=pass`: the greedy tokens taken by an argmax pass over the logits
   (`kernels.argmax_rows`) instead of from the LM head's epilogue;
 - `rope=compute`: cos / sin computed each step instead of gathered from the table;
+  `rope=rows`: gathered from the table by torch, the rows passed to the qkv kernel (session 31's
+  form) instead of gathered by the qkv kernel itself (`engine.models.fused.GATHER_ROTARY`);
 - `tail=torch`: the last layer's down projection added to the residual stream by torch (sum,
   cast, add) instead of `kernels.add_residual`;
+- `embed=torch`: the token embedding looked up by torch's kernel instead of the first norm's
+  (`engine.models.fused.GATHER_EMBEDDING`);
 - `logits=all`: the LM head stores every row's logits, also those of greedy rows that need only
   their argmax (`engine.cuda_graphs.SKIP_UNREAD_LOGITS`);
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
@@ -58,9 +62,10 @@ CANDIDATES = {
     "attn": ["64,4,3", "64,2,4", "32,2,6", "128,4,4", "128,8,3", "64,4,4", "256,8,2"],
     "early": ["all"],
     "greedy": ["pass"],
-    "rope": ["compute"],
+    "rope": ["compute", "rows"],
     "tail": ["torch"],
     "logits": ["all"],
+    "embed": ["torch"],
 }
 
 
@@ -111,6 +116,16 @@ def apply(kind: str, value: str):
 
         cuda_graphs.SKIP_UNREAD_LOGITS = False
         return lambda: setattr(cuda_graphs, "SKIP_UNREAD_LOGITS", True)
+    if kind == "rope" and value == "rows":
+        from splitserve.engine.models import fused
+
+        fused.GATHER_ROTARY = False
+        return lambda: setattr(fused, "GATHER_ROTARY", True)
+    if kind == "embed" and value == "torch":
+        from splitserve.engine.models import fused
+
+        fused.GATHER_EMBEDDING = False
+        return lambda: setattr(fused, "GATHER_EMBEDDING", True)
     raise SystemExit(f"unknown candidate {kind}={value}")
 
 

@@ -32,6 +32,7 @@ __all__ = [
     "decode_linear_glu",
     "decode_linear_partials",
     "decode_qkv_rotary",
+    "embed_rms_norm",
     "kv_block_checksums",
     "paged_decode_attention",
     "paged_prefill_attention",
@@ -55,6 +56,7 @@ _LAZY = {
     "write_kv": "kv_write",
     "rms_norm": "norm",
     "add_residual": "norm",
+    "embed_rms_norm": "norm",
     "apply_rotary_qk": "rotary",
     "apply_rotary_qk_and_write_kv": "rotary",
     "adjust_logit_rows": "logit_adjust",
@@ -82,7 +84,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .linear import RowNorm, decode_linear, decode_linear_add, decode_linear_glu, decode_linear_partials
     from .logit_adjust import adjust_logit_rows
     from .logprobs import row_logprobs
-    from .norm import add_residual, rms_norm
+    from .norm import add_residual, embed_rms_norm, rms_norm
     from .paged_decode import paged_decode_attention
     from .paged_prefill import paged_prefill_attention
     from .qkv_rotary import decode_qkv_rotary

@@ -4,6 +4,10 @@
     residual given:    s = round(x + residual); residual <- s (in place)
                        out = weight * round(s * rsqrt(mean(s^2) + eps))
 
+`embed_rms_norm` gathers x's rows from an embedding table by token id in the same launch and
+stores them as the residual stream: the first decoder layer's input norm with the embedding
+lookup, which was a torch kernel of its own outside the programmatic-dependent-launch chain.
+
 x may also come as split-K partial sums [S, T, H] in fp32 (`kernels.decode_linear_partials`,
 with a residual): x is then round(sum of the partials) — what the projection would have
 stored — so the reduction of a split projection costs no kernel of its own.
@@ -25,7 +29,7 @@ from ._common import check_last_dim_contiguous, next_power_of_2
 from ._pdl import pdl_launch, wait_for_producer
 from .elementwise_reference import rms_norm_reference
 
-__all__ = ["add_residual", "rms_norm", "rms_norm_reference"]
+__all__ = ["add_residual", "embed_rms_norm", "rms_norm", "rms_norm_reference"]
 
 
 @triton.jit
@@ -34,6 +38,7 @@ def _rms_norm_kernel(
     res_ptr,
     w_ptr,
     out_ptr,
+    ids_ptr,
     stride_x,
     stride_xs,
     stride_res,
@@ -44,6 +49,7 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     PARTS: tl.constexpr,
     NORMALIZE: tl.constexpr,
+    GATHER: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producer(PDL)
@@ -61,6 +67,11 @@ def _rms_norm_kernel(
         else:
             x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(res_ptr + t * stride_res + offs, x, mask=mask)
+    elif GATHER:  # x is an embedding table: row ids[t], stored as the residual stream
+        row = tl.load(ids_ptr + t).to(tl.int64)
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+        dtype = x.dtype
         tl.store(res_ptr + t * stride_res + offs, x, mask=mask)
     else:
         x = tl.load(x_ptr + t * stride_x + offs, mask=mask, other=0.0)
@@ -96,6 +107,27 @@ def add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return residual
 
 
+def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(table[ids]), table[ids]): token ids [T] (integers in [0, V), checked by the
+    engine's input validation, not here), embedding table [V, H] -> the first layer's normed
+    input and the residual stream [T, H] in the table's dtype, in one launch."""
+    if ids.dim() != 1 or ids.dtype.is_floating_point or table.dim() != 2 or weight.shape != (table.shape[1],):
+        raise ValueError(f"ids must be integer [T], table [V, H] and weight [H], got {tuple(ids.shape)} "
+                         f"{ids.dtype}, {tuple(table.shape)} and {tuple(weight.shape)}")
+    check_last_dim_contiguous("table", table)
+    residual = torch.empty(ids.shape[0], table.shape[1], dtype=table.dtype, device=table.device)
+    out = torch.empty_like(residual)
+    if ids.shape[0]:
+        block = next_power_of_2(table.shape[1])
+        _rms_norm_kernel[(ids.shape[0],)](
+            table, residual, weight, out, ids, table.stride(0), 0, residual.stride(0), out.stride(0), eps,
+            HIDDEN=table.shape[1], BLOCK=block, HAS_RESIDUAL=False, PARTS=0, NORMALIZE=True, GATHER=True,
+            num_warps=8 if block >= 4096 else 4, **pdl_launch(table.device),
+        )
+    return out, residual
+
+
 def _launch(x, weight, eps, residual, normalize: bool) -> torch.Tensor:
     parts = x.shape[0] if x.dim() == 3 else 0
     if parts and (residual is None or x.dtype != torch.float32):
@@ -114,8 +146,8 @@ def _launch(x, weight, eps, residual, normalize: bool) -> torch.Tensor:
     res = residual if residual is not None else x
     check_last_dim_contiguous("residual", res)
     _rms_norm_kernel[(num_tokens,)](
-        x, res, weight, out, rows.stride(0), x.stride(0) if parts else 0, res.stride(0), out.stride(0), eps,
-        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts, NORMALIZE=normalize,
+        x, res, weight, out, x, rows.stride(0), x.stride(0) if parts else 0, res.stride(0), out.stride(0), eps,
+        HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts, NORMALIZE=normalize, GATHER=False,
         num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
     )
     return out

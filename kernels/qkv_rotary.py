@@ -1,6 +1,7 @@
 """The decode step's qkv projection with rotary and the KV write in its epilogue: one launch.
 
     x [T, K], weight [(Hq + 2 Hk) * D, K] (q, k, v heads' rows), cos / sin [T, D]
+    (or tables [P, D] and positions [T]: the rows gathered in the kernel)
     -> q [T, Hq, D] rotated; k rotated and v written into kv [2, NB, Hk, BS, D] at each
        row's slot (a negative slot, a padding row, is not written)
 
@@ -31,15 +32,16 @@ __all__ = ["decode_qkv_rotary"]
 
 @triton.jit
 def _qkv_rotary_kernel(
-    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, sq_ptr,
+    x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, pos_ptr, sq_ptr,
     M, stride_xm, stride_wn, stride_qm, stride_qh, stride_cs, stride_sq, eps,
     stride_kv_kv, stride_kv_blk, stride_kv_h, stride_kv_tok,
     NUM_Q: tl.constexpr, NUM_KV: tl.constexpr, HALF: tl.constexpr, PAGE_SIZE: tl.constexpr, K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NORM: tl.constexpr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, PDL: tl.constexpr,
+    NORM: tl.constexpr, PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, GATHER: tl.constexpr, PDL: tl.constexpr,
 ):
     """NORM: the sums are of x's RMSNorm, its weight folded into w (`kernels.linear.RowNorm`):
-    rows scaled by 1 / rms from PARTS partial sums of squares at sq_ptr before the rotary."""
+    rows scaled by 1 / rms from PARTS partial sums of squares at sq_ptr before the rotary.
+    GATHER: cos / sin are tables by position, row m's at pos_ptr[m]."""
     wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
@@ -50,7 +52,11 @@ def _qkv_rotary_kernel(
     is_q = head < NUM_Q
     is_v = head >= NUM_Q + NUM_KV
     # the epilogue's inputs are loaded before the weight stream, their latency hidden under it
-    cs = offs_m[:, None] * stride_cs + dim[None, :]
+    if GATHER:
+        cs_rows = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        cs_rows = offs_m.to(tl.int64)
+    cs = cs_rows[:, None] * stride_cs + dim[None, :]
     cs_mask = mask_m[:, None] & (mask_p & ~is_v)[None, :]  # v heads: cos 1, sin 0
     c1 = tl.load(cos_ptr + cs, mask=cs_mask, other=1.0).to(tl.float32)
     c2 = tl.load(cos_ptr + cs + HALF, mask=cs_mask, other=1.0).to(tl.float32)
@@ -93,14 +99,17 @@ def _qkv_rotary_kernel(
 def decode_qkv_rotary(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, config: LinearConfig | None = None,
-    norm: RowNorm | None = None,
+    norm: RowNorm | None = None, positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, Hq, D] of x [T, K] (T <= MAX_ROWS) through the fused qkv weight, rotated, with the
     rotated k and the v of every row written into kv at slot_mapping [T]: what
     `decode_linear` then `apply_rotary_qk_and_write_kv` compute, in one launch. `config`
     (unsplit) as for the qkv projection: a program reads block_n // 2 pairs of weight rows.
     `norm`: x is the residual stream a `decode_linear_add` just wrote and the projection is of
-    its RMSNorm, γ folded into `weight` (`kernels.RowNorm`): the norm takes no launch."""
+    its RMSNorm, γ folded into `weight` (`kernels.RowNorm`): the norm takes no launch.
+    `positions` (integer [T]): cos and sin are tables [P, head_dim] of every position (views with
+    one row stride, `RotaryEmbedding.tables`) and each row's are gathered in the kernel — no
+    gather launch of torch's a step; positions must be < P."""
     rows, k = x.shape if x.dim() == 2 else (-1, -1)
     check_kv(kv, kv.shape[-1] if kv.dim() == 5 else 0)
     head_dim, num_kv = kv.shape[4], kv.shape[2]
@@ -111,8 +120,12 @@ def decode_qkv_rotary(
         raise ValueError(f"head_dim {head_dim} must be even")
     if rows > MAX_ROWS:
         raise ValueError(f"decode_qkv_rotary() takes at most {MAX_ROWS} rows, got {rows}")
-    if cos.shape != (rows, head_dim) or sin.shape != cos.shape or cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{rows}, {head_dim}], one row stride")
+    cs_rows = cos.shape[0] if positions is not None and cos.dim() == 2 else rows
+    if cos.shape != (cs_rows, head_dim) or sin.shape != cos.shape or cos.stride(0) != sin.stride(0):
+        raise ValueError(f"cos {tuple(cos.shape)} / sin {tuple(sin.shape)} must be [{rows if positions is None else 'P'}, "
+                         f"{head_dim}], one row stride")
+    if positions is not None and (positions.shape != (rows,) or positions.dtype.is_floating_point):
+        raise ValueError(f"positions must be integer [{rows}], got {tuple(positions.shape)} {positions.dtype}")
     if slot_mapping.shape != (rows,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} must be [{rows}]")
     if config is not None and config.splits != 1:
@@ -129,14 +142,15 @@ def decode_qkv_rotary(
     block_p = max(16, block_n // 2)
     half = head_dim // 2
     _qkv_rotary_kernel[(cdiv((num_q_heads + 2 * num_kv) * half, block_p),)](
-        x, weight, q, kv, slot_mapping, cos, sin, norm.squares if norm else x,
+        x, weight, q, kv, slot_mapping, cos, sin, positions if positions is not None else slot_mapping,
+        norm.squares if norm else x,
         rows, x.stride(0), weight.stride(0), q.stride(0), q.stride(1), cos.stride(0),
         norm.squares.stride(0) if norm else 0, norm.eps if norm else 0.0,
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         NUM_Q=num_q_heads, NUM_KV=num_kv, HALF=half, PAGE_SIZE=kv.shape[3], K=k,
         BLOCK_M=max(16, next_power_of_2(rows)), BLOCK_P=block_p, BLOCK_K=min(block_k, max(16, next_power_of_2(k))),
         DOT_PRECISION=dot_precision(x.dtype), NORM=norm is not None,
-        PARTS=norm.squares.shape[0] if norm else 1, PARTS_BLOCK=parts_block(norm),
+        PARTS=norm.squares.shape[0] if norm else 1, PARTS_BLOCK=parts_block(norm), GATHER=positions is not None,
         num_warps=num_warps, num_stages=num_stages,
         **pdl_launch(x.device),
     )

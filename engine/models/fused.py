@@ -45,6 +45,7 @@ from splitserve.engine.attention import (
     paged_attention,
     triton_attention_written,
 )
+from splitserve.engine.models.rope import StepRotary
 from splitserve.kernels.projection_configs import projection_config
 
 
@@ -139,17 +140,25 @@ def _qkv_config(attn, x: torch.Tensor, meta: AttentionMetadata):
     return config if _unsplit(config) else None
 
 
-def _attention(attn, x: torch.Tensor, cos, sin, kv: torch.Tensor, meta: AttentionMetadata, norm=None) -> torch.Tensor:
+def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: AttentionMetadata, norm=None
+               ) -> torch.Tensor:
     """The attention heads' output [T, heads * head_dim] of normed x [T, H], before the o
     projection; with `norm` (a `kernels.RowNorm`, only where `_qkv_config` is ours) of x
-    normalized by the qkv kernel."""
+    normalized by the qkv kernel. Our qkv kernel gathers its rotary rows from the tables where
+    there are tables (`GATHER_ROTARY`)."""
     t, d = x.shape[0], attn.head_dim
     triton_kv = meta.backend in TRITON_KERNEL_BACKENDS
     config = _qkv_config(attn, x, meta)
-    if config is not None:
+    if config is not None and rope.tables is not None and GATHER_ROTARY:
+        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, *rope.tables, kv, meta.slot_mapping, attn.num_heads, config,
+                                      norm, positions=rope.positions)
+        o = triton_attention_written(q, kv, meta, attn.scale)
+    elif config is not None:
+        cos, sin = rope.cos_sin()
         q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config, norm)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
+        cos, sin = rope.cos_sin()
         qkv = _project(x, attn.qkv_weight, attn.qkv_bias, "qkv")
         nq, nk = attn.num_heads * d, attn.num_kv_heads * d
         q = qkv[:, :nq].view(t, attn.num_heads, d)
@@ -210,33 +219,53 @@ def _down(mlp, act: torch.Tensor, residual: torch.Tensor | None):
     return mlp.ps.all_reduce_tp(down), None
 
 
+GATHER_ROTARY = True
+"""Our qkv kernel gathers each row's cos / sin from the rotary tables by position
+(`kernels.decode_qkv_rotary(..., positions=)`) instead of taking rows torch gathered: one torch
+launch less a step. False: torch's gather (an A/B switch for benchmarks/decode_sweep.py)."""
+
+GATHER_EMBEDDING = True
+"""The first stage's token embedding is gathered by the first layer's input-norm kernel
+(`kernels.embed_rms_norm`) instead of torch's embedding kernel: one launch less a step, and
+none outside the PDL chain. False: torch's (an A/B switch for benchmarks/decode_sweep.py)."""
+
+
+def gathers_embedding(model) -> bool:
+    """Whether `fused_layers_forward` takes token ids for this model (see GATHER_EMBEDDING)."""
+    return GATHER_EMBEDDING and model.embed_tokens is not None and len(model.layers) > 0
+
+
 def fused_layers_forward(
     model,
-    hidden: torch.Tensor,
-    cos,
-    sin,
+    hidden: torch.Tensor | None,
+    rope: StepRotary,
     kv_caches: Sequence[torch.Tensor],
     meta: AttentionMetadata,
     after_layer: Callable[[int], None] | None = None,
+    input_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The stage's decoder layers over hidden [T, H]; returns the full hidden state
-    (residual stream included), like the unfused loop. `hidden` is consumed: it
-    becomes the residual buffer and is updated in place. `after_layer(i)` is called once
-    local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
+    """The stage's decoder layers over hidden [T, H] — or, given `input_ids` [T] instead
+    (`gathers_embedding`), over their embeddings, gathered by the first norm's kernel; `rope`:
+    the step's rotary tables / rows (`StepRotary`); returns
+    the full hidden state (residual stream included), like the unfused loop. `hidden` is
+    consumed: it becomes the residual buffer and is updated in place. `after_layer(i)` is called
+    once local layer i's KV write is queued (layer-wise streaming: engine/handoff_layerwise.py)."""
     residual = squares = None
     x = hidden
     layers, unit = list(model.layers), getattr(model, "unit_gamma", None)
     for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
         norm_in, row_norm = layer.input_layernorm, None
         gamma = norm_in.weight if unit is None else unit  # γ is in the qkv weight where folded
-        if residual is None:
+        if residual is None and input_ids is not None:
+            h, residual = kernels.embed_rms_norm(input_ids, model.embed_tokens.weight, gamma, norm_in.eps)
+        elif residual is None:
             residual = x
             h = kernels.rms_norm(x, gamma, norm_in.eps)
         elif squares is not None:  # the previous down kernel added into the residual: the norm is the qkv kernel's
             h, row_norm = residual, kernels.RowNorm(norm_in.eps, squares)
         else:
             h = kernels.rms_norm(x, gamma, norm_in.eps, residual=residual)
-        o = _attention(layer.self_attn, h, cos, sin, kv, meta, row_norm)
+        o = _attention(layer.self_attn, h, rope, kv, meta, row_norm)
         if after_layer is not None:
             after_layer(i)
         act = _post_attention(layer, o, residual, unit)
@@ -244,8 +273,10 @@ def fused_layers_forward(
         # with no reduction, cast and add of torch's after the last (PDL-launched) kernel
         fold = unit is not None and (i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta))
         x, squares = _down(layer.mlp, act, residual if fold else None)
-    if residual is None or x is None:
+    if residual is None:
         return hidden
+    if x is None:  # folded: the residual stream is the output
+        return residual
     # the last layer's down projection (split-K partials summed and rounded as the norm would) into
     # the residual stream: one launch under PDL, not torch's sum, cast and add
     return kernels.add_residual(x, residual)

@@ -20,9 +20,9 @@ from torch import nn
 from splitserve import kernels
 from splitserve.engine.attention import AttentionMetadata, paged_attention
 from splitserve.engine.models.config import ModelConfig
-from splitserve.engine.models.fused import fuse_projections, fused_layers_forward
+from splitserve.engine.models.fused import fuse_projections, fused_layers_forward, gathers_embedding
 from splitserve.engine.models.fused import head as fused_head
-from splitserve.engine.models.rope import RotaryEmbedding, apply_rotary
+from splitserve.engine.models.rope import RotaryEmbedding, StepRotary, apply_rotary
 from splitserve.engine.parallel import ParallelState, kv_heads_of_rank, stage_layer_range
 
 
@@ -141,11 +141,16 @@ class CausalLM(nn.Module):
     ) -> torch.Tensor:
         """input_ids [T] on the first stage, else `hidden` [T, hidden] from the previous stage.
         `after_layer(i)` runs once local layer i has written its KV (queued it, on a GPU)."""
-        if self.ps.is_first_stage:
+        ids = None
+        if self.ps.is_first_stage and self.fused and gathers_embedding(self):
+            ids = input_ids  # gathered by the first layer's norm kernel (fused.GATHER_EMBEDDING)
+        elif self.ps.is_first_stage:
             hidden = self.embed_tokens(input_ids)
-        cos, sin = self.rotary.cos_sin(positions, hidden.dtype)
+        dtype = self.embed_tokens.weight.dtype if ids is not None else hidden.dtype
         if self.fused:
-            return fused_layers_forward(self, hidden, cos, sin, kv_caches, meta, after_layer)
+            rope = StepRotary(self.rotary, positions, dtype)
+            return fused_layers_forward(self, hidden, rope, kv_caches, meta, after_layer, input_ids=ids)
+        cos, sin = self.rotary.cos_sin(positions, dtype)
         for i, (layer, kv) in enumerate(zip(self.layers, kv_caches, strict=True)):
             hidden = layer(hidden, cos, sin, kv, meta)
             if after_layer is not None:

@@ -67,6 +67,16 @@ class RotaryEmbedding(torch.nn.Module):
         half = both.shape[1] // 2
         return both[:, :half], both[:, half:]
 
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(cos, sin) of every position, [P, head_dim] views of the table with one row stride,
+        where a table is kept (CUDA), else None: for kernels that gather a step's rows themselves
+        (`kernels.decode_qkv_rotary(..., positions=)`)."""
+        table = self._table(device, dtype) if device.type == "cuda" else None
+        if table is None:
+            return None
+        half = table.shape[1] // 2
+        return table[:, :half], table[:, half:]
+
     def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -97,3 +107,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class StepRotary:
+    """A step's rotary inputs for the fused layers (engine/models/fused.py): the tables and the
+    positions, for a qkv kernel that gathers its rows itself, and (`cos_sin`) the rows for
+    every other consumer, gathered or computed once on first use."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype):
+        self.rotary, self.positions, self.dtype = rotary, positions, dtype
+        self.tables = rotary.tables(positions.device, dtype)
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._rows is None:
+            self._rows = self.rotary.cos_sin(self.positions, self.dtype)
+        return self._rows

@@ -12,7 +12,7 @@ from splitserve.engine.models.rope import RotaryEmbedding  # noqa: E402
 from splitserve.kernels.activation import silu_and_mul, silu_and_mul_reference  # noqa: E402
 from splitserve.kernels.argmax import argmax_rows  # noqa: E402
 from splitserve.kernels.kv_write import write_kv_reference  # noqa: E402
-from splitserve.kernels.norm import add_residual, rms_norm, rms_norm_reference  # noqa: E402
+from splitserve.kernels.norm import add_residual, embed_rms_norm, rms_norm, rms_norm_reference  # noqa: E402
 from splitserve.kernels.rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv, rotary_reference  # noqa: E402
 
 
@@ -36,6 +36,23 @@ def test_rms_norm_matches_reference(hidden, dtype, with_residual, device):
     if with_residual:
         assert torch.equal(res, want_res)  # the residual sum is one exact rounding
     assert not torch.equal(got, x)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_embed_rms_norm_is_the_norm_of_the_gathered_rows(dtype, device):
+    """The embedding lookup in the first norm's launch: the residual stream is table[ids]
+    exactly, the normed rows equal rms_norm of them (repeated and out-of-order ids included)."""
+    g = torch.Generator().manual_seed(11)
+    table = torch.randn(50, 96, generator=g).to(dtype).to(device)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(dtype).to(device)
+    ids = torch.tensor([7, 0, 49, 7, 3], device=device)
+    normed, residual = embed_rms_norm(ids, table, w, 1e-5)
+    assert torch.equal(residual, table[ids])
+    assert torch.equal(normed, rms_norm(table[ids], w, 1e-5))
+    empty, empty_res = embed_rms_norm(ids[:0], table, w, 1e-5)
+    assert empty.shape == empty_res.shape == (0, 96)
+    with pytest.raises(ValueError, match="integer"):
+        embed_rms_norm(ids.float(), table, w, 1e-5)
 
 
 def test_rms_norm_rejects_bad_shapes(device):

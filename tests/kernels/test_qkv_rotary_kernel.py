@@ -63,6 +63,27 @@ def test_qkv_rotary_matches_the_unfused_steps(rows, hq, hk, d, k, config, dtype,
         assert torch.equal(got_kv.permute(0, 1, 3, 2, 4)[:, keep], kv.permute(0, 1, 3, 2, 4)[:, keep])
 
 
+@pytest.mark.parametrize("rows", [1, 20])
+def test_qkv_rotary_gathers_its_rows_from_tables_by_position(rows, device):
+    """cos / sin as tables [P, D] (views of one [P, 2D] table, as `RotaryEmbedding.tables`) and
+    positions: q and the cache bit for bit what the rows gathered by torch give."""
+    hq, hk, d, k = 4, 2, 16, 64
+    x, w, _, _, kv, slots = _case(rows, hq, hk, d, k, torch.float16, device, seed=rows)
+    g = torch.Generator().manual_seed(5)
+    angles = torch.rand(40, d // 2, generator=g) * 6.0
+    table = torch.cat([angles.cos(), angles.cos(), angles.sin(), angles.sin()], dim=-1).half().to(device)
+    cos_t, sin_t = table[:, :d], table[:, d:]
+    positions = torch.randint(0, 40, (rows,), generator=g).to(device)
+    want_kv, got_kv = kv.clone(), kv.clone()
+    want_q = decode_qkv_rotary(x, w, cos_t[positions], sin_t[positions], want_kv, slots, hq, LinearConfig(32, 32))
+    got_q = decode_qkv_rotary(x, w, cos_t, sin_t, got_kv, slots, hq, LinearConfig(32, 32), positions=positions)
+    assert torch.equal(got_q, want_q) and torch.equal(got_kv, want_kv)
+    with pytest.raises(ValueError, match="positions"):
+        decode_qkv_rotary(x, w, cos_t, sin_t, kv, slots, hq, positions=positions[:0] if rows > 1 else positions.float())
+    with pytest.raises(ValueError, match="cos"):
+        decode_qkv_rotary(x, w, cos_t, sin_t[:5], kv, slots, hq, positions=positions)
+
+
 def test_qkv_rotary_rejects_what_does_not_fit(device):
     x, w, cos, sin, kv, slots = _case(3, 4, 2, 16, 64, torch.float32, device, seed=1)
     with pytest.raises(ValueError, match="do not fit"):
