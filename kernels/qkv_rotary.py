@@ -42,7 +42,6 @@ def _qkv_rotary_kernel(
     """NORM: the sums are of x's RMSNorm, its weight folded into w (`kernels.linear.RowNorm`):
     rows scaled by 1 / rms from PARTS partial sums of squares at sq_ptr before the rotary.
     GATHER: cos / sin are tables by position, row m's at pos_ptr[m]."""
-    wait_for_producer(PDL)
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < M
     pairs = tl.program_id(0) * BLOCK_P + tl.arange(0, BLOCK_P)
@@ -51,7 +50,13 @@ def _qkv_rotary_kernel(
     dim = pairs % HALF
     is_q = head < NUM_Q
     is_v = head >= NUM_Q + NUM_KV
-    # the epilogue's inputs are loaded before the weight stream, their latency hidden under it
+    # The epilogue's inputs are loaded before the PDL wait and the weight stream, their latency
+    # hidden under both: positions, slots (a step's inputs, copied before its first kernel), the
+    # rotary tables (constant) or rows (torch's, before the step's first norm kernel) are never
+    # written by the kernel this one may overlap — the one before it, which signalled only after
+    # its own wait (kernels/_pdl.py). Gathered by position, the cos / sin loads follow the
+    # positions' load: after the wait they cost a second DRAM latency before the weight stream
+    # (batch-1 step +0.17% on an H100, benchmarks/RESULTS.md session 32).
     if GATHER:
         cs_rows = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
@@ -69,9 +74,10 @@ def _qkv_rotary_kernel(
     tile_pairs = tl.program_id(0) * BLOCK_P + r % BLOCK_P
     tile_rows = (tile_pairs // HALF) * 2 * HALF + tile_pairs % HALF + (r // BLOCK_P) * HALF
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
+    wait_for_producer(PDL)  # x is the previous kernel's
     acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
                              tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
-                             DOT_PRECISION, False)  # waited for the producer at the top
+                             DOT_PRECISION, False)  # waited for the producer above
     if NORM:
         acc = acc * rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)[:, None]
     acc_lo, acc_hi = split_halves(acc, BLOCK_M, BLOCK_P)
