@@ -55,8 +55,9 @@ def _qkv_rotary_kernel(
     # rotary tables (constant) or rows (torch's, before the step's first norm kernel) are never
     # written by the kernel this one may overlap — the one before it, which signalled only after
     # its own wait (kernels/_pdl.py). Gathered by position, the cos / sin loads follow the
-    # positions' load: after the wait they cost a second DRAM latency before the weight stream
-    # (batch-1 step +0.17% on an H100, benchmarks/RESULTS.md session 32).
+    # positions' load: after the wait that second DRAM latency delayed the weight stream (batch-1
+    # replay 0.17% slower than with torch's rows; before it 0.10%, and batch 64 0.3% faster than
+    # with them: H100, benchmarks/RESULTS.md session 32).
     if GATHER:
         cs_rows = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
