@@ -90,7 +90,39 @@ def replay_kernel_table(llm, batch: int, iters: int = 20) -> str:
         for _ in range(iters):
             graph.replay()
         torch.cuda.synchronize()
-    return _table(prof)
+    return _table(prof) + "\n" + critical_path_table(prof, iters)
+
+
+def critical_path_table(prof, iters: int) -> str:
+    """What each kernel adds to the timeline: kernels in start order, each credited with how far
+    its end moves the latest end so far (a kernel that ends inside an earlier one's span, or a
+    span's early-launch wait under PDL, adds nothing), plus the gaps where no kernel ran. The
+    credits sum to the replays' GPU span, so unlike the spans they add up to the step."""
+    from collections import defaultdict
+
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                     if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    if not kernels:
+        return "(no kernels recorded)"
+    credit: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    span: dict[str, float] = defaultdict(float)
+    frontier, idle = kernels[0][0], 0.0
+    for start, end, name in kernels:
+        if start > frontier:
+            idle += start - frontier
+        credit[name] += max(0.0, end - max(start, frontier))
+        frontier = max(frontier, end)
+        calls[name] += 1
+        span[name] += end - start
+    total = frontier - kernels[0][0]
+    lines = [f"critical path per replay (µs; {iters} replays, {total / iters:.1f} µs of GPU timeline each):",
+             f"{'kernel':60} {'calls':>6} {'span/call':>10} {'adds':>8} {'share':>7}"]
+    for name in sorted(credit, key=credit.get, reverse=True)[:16]:
+        lines.append(f"{name[:60]:60} {calls[name] / iters:6.0f} {span[name] / calls[name]:10.2f} "
+                     f"{credit[name] / iters:8.1f} {credit[name] / total:7.1%}")
+    lines.append(f"{'(no kernel running)':60} {'':6} {'':10} {idle / iters:8.1f} {idle / total:7.1%}")
+    return "\n".join(lines)
 
 
 def kernel_table(path: Path, batch: int, extra: dict, steps: int = 20) -> str:
