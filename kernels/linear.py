@@ -93,8 +93,7 @@ def _linear_kernel(
     partials in range order (as `rms_norm` sums them), does the add, and sets the count back to 0
     for the next launch.
     NORM: the sums are of an RMSNorm of x whose weight is folded into w (`RowNorm`): each row is
-    scaled by its 1 / rms, from PARTS such sums at sq_ptr (PARTS 0: from x's tiles as they stream
-    through, unsplit only), before the epilogue.
+    scaled by its 1 / rms, from PARTS such sums at sq_ptr, before the epilogue.
     ARGMAX: program n also stores, per row, the maximum of its stored columns and the first column
     holding it at amax_val_ptr / amax_idx_ptr [M, tiles] (`decode_linear(..., argmax=)`).
     KEEP: only rows whose flag at keep_ptr [M] is nonzero are stored (the argmax still sees every
@@ -117,11 +116,9 @@ def _linear_kernel(
     k_start = split * K_PER_SPLIT
     k_end = tl.minimum(k_start + K_PER_SPLIT, K)
     w_first = first_weight_tile(w_rows, cols_n < N, k_start, k_end, BLOCK_K, PDL, EARLY)
-    acc, squares = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N,
-                                      BLOCK_K, DOT_PRECISION, EARLY, NORM and PARTS == 0)
-    if NORM and PARTS == 0:  # the statistics of x's rows from the tiles just streamed (unsplit: all of K)
-        acc = acc * (1.0 / tl.sqrt(squares / K + eps))[:, None]
-    elif NORM:
+    acc = stream_weight_tile(x_rows, w_rows, w_first, mask_m, cols_n < N, k_start, k_end, BLOCK_M, BLOCK_N, BLOCK_K,
+                             DOT_PRECISION, EARLY)
+    if NORM:
         acc = acc * rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)[:, None]
     dtype = res_ptr.dtype.element_ty if ADD else out_ptr.dtype.element_ty
     if GLU:
@@ -262,16 +259,14 @@ class RowNorm(NamedTuple):
     scales each row's sums by rsqrt(mean(x^2) + eps) — from `squares`, the partial sums of
     squares of x's rows that `decode_linear_add` returned with x. So x streams into the MMA
     untouched and the norm takes no launch; against the unfused norm (x * rstd rounded, times γ
-    rounded, then the GEMM) only the roundings move: γ's into the weights, rstd's after the sum.
-    `squares` None (`decode_linear_glu` only): the kernel sums the squares of x's rows itself from
-    the tiles it streams for the MMA, so x's producer needs to take no statistics."""
+    rounded, then the GEMM) only the roundings move: γ's into the weights, rstd's after the sum."""
 
     eps: float
-    squares: torch.Tensor | None = None
+    squares: torch.Tensor
 
 
 def check_row_norm(norm: RowNorm | None, rows: int) -> None:
-    if norm is not None and norm.squares is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows):
+    if norm is not None and (norm.squares.dim() != 2 or norm.squares.shape[1] != rows):
         raise ValueError(f"RowNorm squares {tuple(norm.squares.shape)} do not fit {rows} rows")
 
 
@@ -327,7 +322,7 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
     if residual is not None:  # written: this launch's statistics
         squares = torch.empty(tiles, rows, dtype=torch.float32, device=x.device)
     else:  # read (NORM), or an unused pointer
-        squares = x if norm is None or norm.squares is None else norm.squares
+        squares = x if norm is None else norm.squares
     check_row_norm(norm, rows)
     early = early_weights(ranges)
     if argmax is not None:  # unsplit, plain: the partials of each program's stored columns
@@ -344,7 +339,7 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
             residual.stride(0) if residual is not None else 0, norm.eps if norm is not None else 0.0,
             K=k, K_PER_SPLIT=k_per_split, BLOCK_M=row_tile(rows), BLOCK_N=block_n, BLOCK_K=block_k,
             DOT_PRECISION=dot_precision(x.dtype), GLU=glu, EARLY=early, ADD=residual is not None, NORM=norm is not None,
-            PARTS=(norm.squares.shape[0] if norm.squares is not None else 0) if norm is not None else 1,
+            PARTS=norm.squares.shape[0] if norm is not None else 1,
             PARTS_BLOCK=parts_block(norm), SPLITS=ranges, ARGMAX=argmax is not None,
             KEEP=keep_rows is not None,
             num_warps=num_warps,
@@ -358,7 +353,7 @@ def _launch(x, weight, out_dtype, config, glu: bool = False, residual=None, norm
 
 def parts_block(norm: RowNorm | None) -> int:
     """How many of a `RowNorm`'s partial sums a program loads at a time (`rows_rstd`)."""
-    return min(32, next_power_of_2(norm.squares.shape[0])) if norm is not None and norm.squares is not None else 1
+    return min(32, next_power_of_2(norm.squares.shape[0])) if norm is not None else 1
 
 
 _ARRIVALS: dict[tuple, torch.Tensor] = {}

@@ -76,9 +76,9 @@ def _qkv_rotary_kernel(
     tile_rows = (tile_pairs // HALF) * 2 * HALF + tile_pairs % HALF + (r // BLOCK_P) * HALF
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
     wait_for_producer(PDL)  # x is the previous kernel's
-    acc, _ = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
-                                tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
-                                DOT_PRECISION, False)  # waited for the producer above
+    acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
+                             tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
+                             DOT_PRECISION, False)  # waited for the producer above
     if NORM:
         acc = acc * rows_rstd(sq_ptr, offs_m, mask_m, stride_sq, eps, K, PARTS, PARTS_BLOCK)[:, None]
     acc_lo, acc_hi = split_halves(acc, BLOCK_M, BLOCK_P)
@@ -138,8 +138,6 @@ def decode_qkv_rotary(
     if config is not None and config.splits != 1:
         raise ValueError("decode_qkv_rotary() takes an unsplit config: rotary of partial sums is not theirs")
     check_row_norm(norm, rows)
-    if norm is not None and norm.squares is None:
-        raise ValueError("decode_qkv_rotary() takes a RowNorm with the producer's squares")
     for name, t in (("x", x), ("weight", weight), ("cos", cos), ("sin", sin)):
         check_last_dim_contiguous(name, t)
     q = torch.empty(rows, num_q_heads, head_dim, dtype=x.dtype, device=x.device)

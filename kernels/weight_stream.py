@@ -40,26 +40,19 @@ def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL
 @triton.jit
 def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr, SQUARES: tl.constexpr = False):
+                       DOT_PRECISION: tl.constexpr, EARLY: tl.constexpr):
     """fp32 sums over K in [k_start, k_end) of x rows (pointers [BLOCK_M, 1]) times weight rows
     (pointers [BLOCK_N, 1], any rows: a tile may gather two runs of rows): the weight stream of
     every kernel here. EARLY: the first K tile's weights are `w_first` (`first_weight_tile`).
     x goes from its load to the MMA untouched: normalizing it in the loop cost 16 µs a layer at
-    64 rows on an H200 (benchmarks/RESULTS.md, session 25), so a folded norm scales the sums.
-    Returns (sums [BLOCK_M, BLOCK_N], squares [BLOCK_M]): with SQUARES, each x row's sum of
-    squares over the range, read beside the MMA from the same tiles (`RowNorm` with no partial
-    sums: the norm's statistics taken by its consumer), else zeros."""
+    64 rows on an H200 (benchmarks/RESULTS.md, session 25), so a folded norm scales the sums."""
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    sq = tl.zeros((BLOCK_M,), tl.float32)
     k_loop = k_start
     if EARLY:
         x = tl.load(x_rows + (k_start + offs_k)[None, :], mask=mask_m[:, None] & (k_start + offs_k < k_end)[None, :],
                     other=0.0)
         acc = tl.dot(x, tl.trans(w_first), acc, input_precision=DOT_PRECISION)
-        if SQUARES:
-            x32 = x.to(tl.float32)
-            sq += tl.sum(x32 * x32, 1)
         k_loop = k_start + BLOCK_K
     for k in range(k_loop, k_end, BLOCK_K):
         cols = k + offs_k
@@ -67,10 +60,7 @@ def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
                     eviction_policy=WEIGHT_EVICTION)
         x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
-        if SQUARES:
-            x32 = x.to(tl.float32)
-            sq += tl.sum(x32 * x32, 1)
-    return acc, sq
+    return acc
 
 
 @triton.jit

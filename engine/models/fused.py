@@ -76,7 +76,7 @@ def fuse_projections(model) -> None:
     before them (prefill sizes, the first layer, TP > 1): one form at every size. The per-
     projection modules are views of the fused weights, so they hold γ too; the unfused forward
     is never run on a fused model."""
-    folded = folds_norms(model)
+    fold = folds_norms(model)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         fused = getattr(attn, "qkv_weight", None)
@@ -84,34 +84,28 @@ def fuse_projections(model) -> None:
             continue  # fused already, and not reloaded since: γ is in it once
         attn.qkv_weight, attn.qkv_bias = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         mlp.gate_up_weight, _ = _fuse([mlp.gate_proj, mlp.up_proj])
-        if "qkv" in folded:
+        if fold:
             attn.qkv_weight.mul_(layer.input_layernorm.weight.data)
-        if "gate_up" in folded:
             mlp.gate_up_weight.mul_(layer.post_attention_layernorm.weight.data)
-    model.unit_gamma = torch.ones_like(model.layers[0].input_layernorm.weight) if folded else None
-    model.folded = folded
+    model.unit_gamma = torch.ones_like(model.layers[0].input_layernorm.weight) if fold else None
     model.fused = True
 
 
-def folds_norms(model) -> frozenset[str]:
-    """The projections the decode kernels fold the norm before into (`kernels.RowNorm`): with
-    `SPLITSERVE_FOLD_NORM` (`_FOLD_NORM`) "all" qkv and gate_up, with "post" gate_up alone, where
-    our kernels run them in the model's dtype on its device (`projection_config`); else none."""
-    kinds = {"all": ("qkv", "gate_up"), "post": ("gate_up",)}.get(_FOLD_NORM, ())
-    if not len(model.layers) or not kinds or not _OWN_PROJECTIONS:
-        return frozenset()
+def folds_norms(model) -> bool:
+    """Whether the decode kernels take this model's decoder norms folded (`kernels.RowNorm`): our
+    qkv and gate_up kernels run its dtype on its device (`projection_config`) and
+    `SPLITSERVE_FOLD_NORM=1`."""
+    if not len(model.layers) or not (_FOLD_NORM and _OWN_PROJECTIONS):
+        return False
     w = model.layers[0].self_attn.q_proj.weight
-    ours = all(projection_config(kind, 1, w.device, w.dtype) is not None for kind in kinds)
-    return frozenset(kinds) if ours else frozenset()
+    return all(projection_config(kind, 1, w.device, w.dtype) is not None for kind in ("qkv", "gate_up"))
 
 
 _OWN_PROJECTIONS = os.environ.get("SPLITSERVE_DECODE_GEMM", "1") != "0"
 """`SPLITSERVE_DECODE_GEMM=0` keeps every projection on cuBLAS (an A/B switch for benchmarks)."""
-_FOLD_NORM = {"1": "all", "all": "all", "post": "post"}.get(os.environ.get("SPLITSERVE_FOLD_NORM", "0"), "")
-"""`SPLITSERVE_FOLD_NORM=1` (or `all`) folds the decoder norms into the projections (`fuse_projections`,
-`kernels.RowNorm`); `post` folds only the post-attention norm, into gate_up, which takes the
-statistics itself from the tiles it streams (no statistics in the o kernel's epilogue, no
-partial sums to load). Off by default: correct on CPU (Triton's interpreter,
+_FOLD_NORM = os.environ.get("SPLITSERVE_FOLD_NORM", "0") == "1"
+"""`SPLITSERVE_FOLD_NORM=1` folds the decoder norms into the projections (`fuse_projections`,
+`kernels.RowNorm`). Off by default: correct on CPU (Triton's interpreter,
 tests/engine/test_triton_backend.py) and on GPUs (bf16 agreement unchanged), but not faster —
 five launches a layer instead of seven, yet batch-64 replays 1.2% slower on an H200 and batch 1
 2% slower on an H100: the qkv and gate_up kernels wait on the add's statistics and load up to
@@ -179,24 +173,22 @@ def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: 
     return o.reshape(t, -1)
 
 
-def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor, unit: torch.Tensor | None,
-                    folded: frozenset[str] = frozenset()) -> torch.Tensor:
+def _post_attention(layer, o: torch.Tensor, residual: torch.Tensor, unit: torch.Tensor | None) -> torch.Tensor:
     """silu(gate) * up of the MLP from the attention heads' output o: the o projection, the
     residual add (`residual` updated in place), the post-attention RMSNorm, the gate_up
     projection and SwiGLU. Where both projections run ours on one TP rank the norm takes no
     launch: the o kernel adds the residual and sums the new rows' squares per column tile in
     its epilogue (`kernels.decode_linear_add`), the gate_up kernel, its weight holding γ, scales
-    its sums by each row's 1 / rms (`kernels.RowNorm`; where only gate_up is `folded`, from the
-    squares it sums itself). `unit`: ones where γ is folded (`fuse_projections`), else None."""
+    its sums by each row's 1 / rms (`kernels.RowNorm`). `unit`: ones where γ is folded
+    (`fuse_projections`), else None."""
     attn, mlp, norm = layer.self_attn, layer.mlp, layer.post_attention_layernorm
     o_config, gu_config = _own_config("o", o), _own_config("gate_up", residual)
-    if ("gate_up" in folded and attn.ps.tp_size == 1 and attn.o_proj.bias is None and o.dtype == residual.dtype
+    if (unit is not None and attn.ps.tp_size == 1 and attn.o_proj.bias is None and o.dtype == residual.dtype
             and _unsplit(o_config) and _unsplit(gu_config)):
         squares = kernels.decode_linear_add(o, attn.o_proj.weight, residual, o_config)
-        row_norm = kernels.RowNorm(norm.eps, squares if "qkv" in folded else None)
-        return kernels.decode_linear_glu(residual, mlp.gate_up_weight, gu_config, row_norm)
+        return kernels.decode_linear_glu(residual, mlp.gate_up_weight, gu_config, kernels.RowNorm(norm.eps, squares))
     out = attn.ps.all_reduce_tp(_project(o, attn.o_proj.weight, attn.o_proj.bias, "o"))
-    gamma = unit if "gate_up" in folded else norm.weight
+    gamma = norm.weight if unit is None else unit
     return _gate_up_act(kernels.rms_norm(out, gamma, norm.eps, residual=residual), mlp.gate_up_weight)
 
 
@@ -261,10 +253,9 @@ def fused_layers_forward(
     residual = squares = None
     x = hidden
     layers, unit = list(model.layers), getattr(model, "unit_gamma", None)
-    folded = getattr(model, "folded", frozenset())
     for i, (layer, kv) in enumerate(zip(layers, kv_caches, strict=True)):
         norm_in, row_norm = layer.input_layernorm, None
-        gamma = unit if "qkv" in folded else norm_in.weight  # γ is in the qkv weight where folded
+        gamma = norm_in.weight if unit is None else unit  # γ is in the qkv weight where folded
         if residual is None and input_ids is not None:
             h, residual = kernels.embed_rms_norm(input_ids, model.embed_tokens.weight, gamma, norm_in.eps)
         elif residual is None:
@@ -277,10 +268,10 @@ def fused_layers_forward(
         o = _attention(layer.self_attn, h, rope, kv, meta, row_norm)
         if after_layer is not None:
             after_layer(i)
-        act = _post_attention(layer, o, residual, unit, folded)
+        act = _post_attention(layer, o, residual, unit)
         # folded, the last layer's add too: the stage's output is then the residual stream itself,
         # with no reduction, cast and add of torch's after the last (PDL-launched) kernel
-        fold = "qkv" in folded and (i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta))
+        fold = unit is not None and (i + 1 == len(layers) or _qkv_config(layers[i + 1].self_attn, residual, meta))
         x, squares = _down(layer.mlp, act, residual if fold else None)
     if residual is None:
         return hidden

@@ -39,8 +39,7 @@ OWN = {"qkv": LinearConfig(16, 16, 4, 2), "o": LinearConfig(16, 32, 4, 2), "gate
        "down": LinearConfig(16, 16, 4, 2, splits=3)}
 WHOLE = dict(OWN, down=LinearConfig(16, 16, 4, 2))
 # "fused_own_plain": OWN with the norms not folded (the default until SPLITSERVE_FOLD_NORM=1 is measured)
-# "fused_own_post": OWN with only the post-attention norm folded, gate_up summing x's squares itself
-for name in ("torch", "triton", "fused", "fused_own", "fused_whole", "fused_own_plain", "fused_own_post"):
+for name in ("torch", "triton", "fused", "fused_own", "fused_whole", "fused_own_plain"):
     backend = "torch" if name == "torch" else "triton"
     # device="cpu": Triton's interpreter; on a CUDA host the engine would otherwise pick the GPU
     llm = LLM(sys.argv[1], device="cpu", attention_backend=backend, block_size_tokens=4, num_blocks=64, max_tokens=16)
@@ -48,10 +47,10 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole", "fused_own_
     if name.startswith("fused_"):  # before fusing: the norms' γ goes into the weights then
         table = WHOLE if name == "fused_whole" else OWN
         fused.projection_config = lambda kind, rows, device, dtype, _t=table: _t[kind]
-        fused._FOLD_NORM = {"fused_own_plain": "", "fused_own_post": "post"}.get(name, "all")
+        fused._FOLD_NORM = name != "fused_own_plain"
     if name.startswith("fused"):
         fuse_projections(llm.engine.runner.model)
-        assert (llm.engine.runner.model.unit_gamma is not None) == (name in ("fused_own", "fused_whole", "fused_own_post"))
+        assert (llm.engine.runner.model.unit_gamma is not None) == (name in ("fused_own", "fused_whole"))
     if name.startswith("fused_"):
         launched = []
         for fn in ("decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary", "decode_linear_add"):
@@ -71,10 +70,8 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole", "fused_own_
         if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:  # no fold into the unfused qkv:
             want -= {"decode_qkv_rotary", "decode_qkv_rotary+norm"}  # layer 0's down leaves its partials
             want |= {"decode_linear_partials"} if name == "fused_own" else set()
-        if name in ("fused_own_plain", "fused_own_post"):  # input norm kernels; the split down's partials summed by them
+        if name == "fused_own_plain":  # norm kernels between; the split down's partials summed by them
             want = {"decode_linear_partials", "decode_linear_glu", "decode_qkv_rotary"}
-            if name == "fused_own_post":  # o adds into the residual stream, gate_up takes the norm
-                want.add("decode_linear_add")
             if llm.engine.runner.model.layers[0].self_attn.qkv_bias is not None:
                 want.remove("decode_qkv_rotary")
         assert set(launched) == want, launched
@@ -95,7 +92,7 @@ def test_triton_backend_matches_torch(tmp_path, family, shape):
     proc = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path)], capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
-    for variant in ("triton", "fused", "fused_own", "fused_whole", "fused_own_plain", "fused_own_post"):
+    for variant in ("triton", "fused", "fused_own", "fused_whole", "fused_own_plain"):
         for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out[variant], strict=True):
             assert k_tokens == t_tokens, variant
             assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4, variant
