@@ -5,18 +5,12 @@ the split of a paired gate/up tile."""
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
 from ._pdl import wait_for_producer
 
 __all__ = ["first_weight_tile", "rows_rstd", "split_halves", "stream_weight_tile"]
-
-WEIGHT_EVICTION = tl.constexpr(os.environ.get("SPLITSERVE_WEIGHT_EVICT", ""))
-"""L2 eviction policy of the weight tiles' loads (`SPLITSERVE_WEIGHT_EVICT`: "" (normal), or
-evict_first / evict_last), fixed at import: an A/B switch."""
 
 
 @triton.jit
@@ -28,8 +22,7 @@ def first_weight_tile(w_rows, mask_n, k_start, k_end, BLOCK_K: tl.constexpr, PDL
     kernel's drain instead of following it (else 0, unused)."""
     if EARLY:
         cols = k_start + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0,
-                    eviction_policy=WEIGHT_EVICTION)
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
         wait_for_producer(PDL)
         return w
     else:
@@ -56,8 +49,7 @@ def stream_weight_tile(x_rows, w_rows, w_first, mask_m, mask_n, k_start, k_end,
         k_loop = k_start + BLOCK_K
     for k in range(k_loop, k_end, BLOCK_K):
         cols = k + offs_k
-        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0,
-                    eviction_policy=WEIGHT_EVICTION)
+        w = tl.load(w_rows + cols[None, :], mask=mask_n[:, None] & (cols < k_end)[None, :], other=0.0)
         x = tl.load(x_rows + cols[None, :], mask=mask_m[:, None] & (cols < k_end)[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     return acc
