@@ -11,7 +11,7 @@ committed settings at its start, middle and end, so a candidate is read against 
 same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
 
 - `qkv|o|gate_up|down=BN,BK,WARPS,STAGES[,SPLITS]`: that projection's config for 17..64 rows
-  (`kernels.projection_configs`);
+  (`kernels.projection_configs`); `qkv_small=...` etc.: its config for 1..16 rows;
 - `lm_head=BN,BK,WARPS,STAGES`: the LM head's config (`kernels.decode_linear`'s default);
 - `attn=BLOCK_N,WARPS,STAGES`: the unsplit decode attention's token step and launch settings;
 - `greedy=pass`: the greedy tokens taken by an argmax pass over the logits
@@ -74,10 +74,12 @@ def apply(kind: str, value: str):
     from splitserve import kernels
     from splitserve.kernels import decode_plan, linear, projection_configs
 
-    if kind in projection_configs.PROJECTION_CONFIGS:
-        old = projection_configs.PROJECTION_CONFIGS[kind]
-        projection_configs.PROJECTION_CONFIGS[kind] = (old[0], linear.LinearConfig(*map(int, value.split(","))))
-        return lambda: projection_configs.PROJECTION_CONFIGS.__setitem__(kind, old)
+    proj = kind.removesuffix("_small")
+    if proj in projection_configs.PROJECTION_CONFIGS:
+        old = projection_configs.PROJECTION_CONFIGS[proj]
+        config = linear.LinearConfig(*map(int, value.split(",")))
+        projection_configs.PROJECTION_CONFIGS[proj] = (config, old[1]) if kind != proj else (old[0], config)
+        return lambda: projection_configs.PROJECTION_CONFIGS.__setitem__(proj, old)
     if kind == "lm_head":  # the LM head runs decode_linear's default config
         old_defaults = linear.LinearConfig.__new__.__defaults__
         linear.LinearConfig.__new__.__defaults__ = (*map(int, value.split(",")), 1)

@@ -146,7 +146,7 @@ def decode_qkv_rotary(
     if config is None:
         config = LinearConfig() if x.element_size() <= 2 else LinearConfig(block_k=64, num_stages=2)
     block_n, block_k, num_warps, num_stages, _ = config
-    block_p = max(16, block_n // 2)
+    block_p = max(8, block_n // 2)
     half = head_dim // 2
     _qkv_rotary_kernel[(cdiv((num_q_heads + 2 * num_kv) * half, block_p),)](
         x, weight, q, kv, slot_mapping, cos, sin, positions if positions is not None else slot_mapping,

@@ -44,6 +44,7 @@ def _reference(x, w, cos, sin, kv, slots, hq, hk, d):
         (1, 4, 2, 16, 64, LinearConfig(32, 32)),  # GQA, one row
         (7, 2, 1, 48, 96, LinearConfig(32, 64, 4, 2)),  # head_dim 48: pairs straddle heads and q / k / v
         (20, 4, 4, 32, 80, None),  # K not a multiple of the tile, 17..64 rows
+        (5, 4, 2, 16, 64, LinearConfig(16, 32)),  # 8 pairs a program: a 16-row weight tile
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
