@@ -23,6 +23,7 @@ same run. Candidates (`--only` picks kinds, `--candidates` replaces the list):
   cast, add) instead of `kernels.add_residual`;
 - `embed=torch`: the token embedding looked up by torch's kernel instead of the first norm's
   (`engine.models.fused.GATHER_EMBEDDING`);
+- `norm=WARPS`: the RMSNorm kernels' warps (`kernels.norm.NUM_WARPS`);
 - `logits=all`: the LM head stores every row's logits, also those of greedy rows that need only
   their argmax (`engine.cuda_graphs.SKIP_UNREAD_LOGITS`);
 - `early=all`: every projection (not only split ones) loads its first weight tile before the PDL
@@ -66,6 +67,7 @@ CANDIDATES = {
     "tail": ["torch"],
     "logits": ["all"],
     "embed": ["torch"],
+    "norm": ["2", "8"],
 }
 
 
@@ -123,6 +125,11 @@ def apply(kind: str, value: str):
 
         fused.GATHER_ROTARY = False
         return lambda: setattr(fused, "GATHER_ROTARY", True)
+    if kind == "norm":
+        from splitserve.kernels import norm
+
+        norm.NUM_WARPS = int(value)
+        return lambda: setattr(norm, "NUM_WARPS", None)
     if kind == "embed" and value == "torch":
         from splitserve.engine.models import fused
 

@@ -107,6 +107,15 @@ def add_residual(x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     return residual
 
 
+NUM_WARPS: int | None = None
+"""Warps of a norm program; None: 8 from 4096 columns, else 4 (an A/B switch for
+benchmarks/decode_sweep.py)."""
+
+
+def _warps(block: int) -> int:
+    return NUM_WARPS or (8 if block >= 4096 else 4)
+
+
 def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor, eps: float
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(table[ids]), table[ids]): token ids [T] (integers in [0, V), checked by the
@@ -123,7 +132,7 @@ def embed_rms_norm(ids: torch.Tensor, table: torch.Tensor, weight: torch.Tensor,
         _rms_norm_kernel[(ids.shape[0],)](
             table, residual, weight, out, ids, table.stride(0), 0, residual.stride(0), out.stride(0), eps,
             HIDDEN=table.shape[1], BLOCK=block, HAS_RESIDUAL=False, PARTS=0, NORMALIZE=True, GATHER=True,
-            num_warps=8 if block >= 4096 else 4, **pdl_launch(table.device),
+            num_warps=_warps(block), **pdl_launch(table.device),
         )
     return out, residual
 
@@ -148,6 +157,6 @@ def _launch(x, weight, eps, residual, normalize: bool) -> torch.Tensor:
     _rms_norm_kernel[(num_tokens,)](
         x, res, weight, out, x, rows.stride(0), x.stride(0) if parts else 0, res.stride(0), out.stride(0), eps,
         HIDDEN=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None, PARTS=parts, NORMALIZE=normalize, GATHER=False,
-        num_warps=8 if block >= 4096 else 4, **pdl_launch(x.device),
+        num_warps=_warps(block), **pdl_launch(x.device),
     )
     return out
