@@ -149,13 +149,11 @@ def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: 
     t, d = x.shape[0], attn.head_dim
     triton_kv = meta.backend in TRITON_KERNEL_BACKENDS
     config = _qkv_config(attn, x, meta)
-    if config is not None and rope.tables is not None and GATHER_ROTARY:
-        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, *rope.tables, kv, meta.slot_mapping, attn.num_heads, config,
-                                      norm, positions=rope.positions)
-        o = triton_attention_written(q, kv, meta, attn.scale)
-    elif config is not None:
-        cos, sin = rope.cos_sin()
-        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config, norm)
+    if config is not None:
+        gather = rope.tables is not None and GATHER_ROTARY
+        cos, sin = rope.tables if gather else rope.cos_sin()
+        q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config,
+                                      norm, positions=rope.positions if gather else None)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
         cos, sin = rope.cos_sin()

@@ -57,7 +57,8 @@ for name in ("torch", "triton", "fused", "fused_own", "fused_whole", "fused_own_
             own = getattr(fused.kernels, fn)
             if hasattr(own, "own"):
                 own = own.own
-            wrap = lambda *a, _own=own, _fn=fn: launched.append(_fn + ("+norm" if len(a) > 8 and a[8] else "")) or _own(*a)
+            wrap = lambda *a, _own=own, _fn=fn, **kw: (launched.append(_fn + ("+norm" if len(a) > 8 and a[8] else ""))
+                                                        or _own(*a, **kw))
             wrap.own = own
             setattr(fused.kernels, fn, wrap)
     res = llm.generate(prompts, params)
