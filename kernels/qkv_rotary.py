@@ -31,6 +31,16 @@ __all__ = ["decode_qkv_rotary"]
 
 
 @triton.jit
+def _rotary_rows(cos_ptr, sin_ptr, cs, cs_mask, HALF: tl.constexpr):
+    """fp32 (cos, cos + HALF, sin, sin + HALF) at offsets `cs` (masked: cos 1, sin 0)."""
+    c1 = tl.load(cos_ptr + cs, mask=cs_mask, other=1.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + cs + HALF, mask=cs_mask, other=1.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + cs + HALF, mask=cs_mask, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@triton.jit
 def _qkv_rotary_kernel(
     x_ptr, w_ptr, q_ptr, kv_ptr, slot_ptr, cos_ptr, sin_ptr, pos_ptr, sq_ptr,
     M, stride_xm, stride_wn, stride_qm, stride_qh, stride_cs, stride_sq, eps,
@@ -50,25 +60,20 @@ def _qkv_rotary_kernel(
     dim = pairs % HALF
     is_q = head < NUM_Q
     is_v = head >= NUM_Q + NUM_KV
-    # The epilogue's inputs are loaded before the PDL wait and the weight stream, their latency
-    # hidden under both: positions, slots (a step's inputs, copied before its first kernel), the
-    # rotary tables (constant) or rows (torch's, before the step's first norm kernel) are never
-    # written by the kernel this one may overlap — the one before it, which signalled only after
-    # its own wait (kernels/_pdl.py). Gathered by position, the cos / sin loads follow the
-    # positions' load: after the wait that second DRAM latency delayed the weight stream (batch-1
-    # replay 0.17% slower than with torch's rows; before it 0.10%, and batch 64 0.3% faster than
-    # with them: H100, benchmarks/RESULTS.md session 32).
+    # The epilogue's inputs are loaded before the weight stream, their latency hidden under it;
+    # positions, slots (a step's inputs, copied before its first kernel) and the rotary tables
+    # (constant) before the PDL wait too: the kernel this one may overlap (the one before it, which
+    # signalled only after its own wait, kernels/_pdl.py) writes none of them. Gathered by position,
+    # the cos / sin loads follow the positions' load: after the wait that second DRAM latency
+    # delayed the weight stream (batch-1 replay 0.17% slower than with torch's rows; before it
+    # 0.10%, and batch 64 0.3% faster than with them: H100, benchmarks/RESULTS.md session 32).
+    # Rows passed in (not GATHER) may be the previous kernel's output (torch's gather runs right
+    # before the first layer's qkv): loaded after the wait.
+    cs_mask = mask_m[:, None] & (mask_p & ~is_v)[None, :]  # v heads: cos 1, sin 0
+    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
     if GATHER:
         cs_rows = tl.load(pos_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    else:
-        cs_rows = offs_m.to(tl.int64)
-    cs = cs_rows[:, None] * stride_cs + dim[None, :]
-    cs_mask = mask_m[:, None] & (mask_p & ~is_v)[None, :]  # v heads: cos 1, sin 0
-    c1 = tl.load(cos_ptr + cs, mask=cs_mask, other=1.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + cs + HALF, mask=cs_mask, other=1.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + cs, mask=cs_mask, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + cs + HALF, mask=cs_mask, other=0.0).to(tl.float32)
-    slot = tl.load(slot_ptr + offs_m, mask=mask_m, other=-1).to(tl.int64)
+        c1, c2, s1, s2 = _rotary_rows(cos_ptr, sin_ptr, cs_rows[:, None] * stride_cs + dim[None, :], cs_mask, HALF)
     # One tile of 2 * BLOCK_P weight rows: the pairs' first-half rows, then their second-half
     # rows (two tiles of BLOCK_P rows, streamed as a pair, were ~1 µs a layer slower on an H200).
     r = tl.arange(0, 2 * BLOCK_P)
@@ -76,6 +81,8 @@ def _qkv_rotary_kernel(
     tile_rows = (tile_pairs // HALF) * 2 * HALF + tile_pairs % HALF + (r // BLOCK_P) * HALF
     rows = w_ptr + tile_rows.to(tl.int64)[:, None] * stride_wn
     wait_for_producer(PDL)  # x is the previous kernel's
+    if not GATHER:
+        c1, c2, s1, s2 = _rotary_rows(cos_ptr, sin_ptr, offs_m[:, None] * stride_cs + dim[None, :], cs_mask, HALF)
     acc = stream_weight_tile(x_ptr + offs_m[:, None] * stride_xm, rows, 0, mask_m,
                              tile_pairs < (NUM_Q + 2 * NUM_KV) * HALF, 0, K, BLOCK_M, 2 * BLOCK_P, BLOCK_K,
                              DOT_PRECISION, False)  # waited for the producer above
