@@ -115,26 +115,20 @@ def apply(kind: str, value: str):
         old_add = kernels.add_residual
         kernels.add_residual = lambda x, residual: residual + (x.sum(0).to(residual.dtype) if x.dim() == 3 else x)
         return lambda: setattr(kernels, "add_residual", old_add)
-    if kind == "logits" and value == "all":
-        from splitserve.engine import cuda_graphs
+    from splitserve.engine import cuda_graphs
+    from splitserve.engine.models import fused
+    from splitserve.kernels import norm
 
-        cuda_graphs.SKIP_UNREAD_LOGITS = False
-        return lambda: setattr(cuda_graphs, "SKIP_UNREAD_LOGITS", True)
-    if kind == "rope" and value == "rows":
-        from splitserve.engine.models import fused
-
-        fused.GATHER_ROTARY = False
-        return lambda: setattr(fused, "GATHER_ROTARY", True)
+    switches = {("logits", "all"): (cuda_graphs, "SKIP_UNREAD_LOGITS", False),
+                ("rope", "rows"): (fused, "GATHER_ROTARY", False),
+                ("embed", "torch"): (fused, "GATHER_EMBEDDING", False)}
     if kind == "norm":
-        from splitserve.kernels import norm
-
-        norm.NUM_WARPS = int(value)
-        return lambda: setattr(norm, "NUM_WARPS", None)
-    if kind == "embed" and value == "torch":
-        from splitserve.engine.models import fused
-
-        fused.GATHER_EMBEDDING = False
-        return lambda: setattr(fused, "GATHER_EMBEDDING", True)
+        switches[kind, value] = (norm, "NUM_WARPS", int(value))
+    if (kind, value) in switches:  # a module setting, read at the next capture
+        module, name, setting = switches[kind, value]
+        old_setting = getattr(module, name)
+        setattr(module, name, setting)
+        return lambda: setattr(module, name, old_setting)
     raise SystemExit(f"unknown candidate {kind}={value}")
 
 
