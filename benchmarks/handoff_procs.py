@@ -51,13 +51,15 @@ def pool(num_blocks: int, heads: int, device: str) -> tuple[torch.Tensor, ...]:
     return tuple(_host(shape, torch.bfloat16).copy_(torch.randn(shape)) for _ in range(LAYERS))
 
 
-def make(kind: str, pack_arena_bytes: int = 0):
+def make(kind: str, pack_arena_bytes: int = 0, *, source: bool = True):
     """nixl_strided: reshards read head slices from the pool (A/B against nixl's staging);
-    nixl_packed: the source packs them (engine/transfer/source_pack.py)."""
+    nixl_packed: the source packs them (engine/transfer/source_pack.py). A NIXL destination
+    runs without NIXL's progress thread, as a decode worker does (engine/worker_runtime.py)."""
     if kind in ("nixl", "nixl_strided", "nixl_packed"):
         from splitserve.engine.transfer.nixl_transport import NixlTransport
 
-        return NixlTransport(stage_reshards=kind == "nixl", pack_arena_bytes=pack_arena_bytes)
+        return NixlTransport(stage_reshards=kind == "nixl", pack_arena_bytes=pack_arena_bytes,
+                             progress_thread=source)
     if kind == "shm":
         from splitserve.engine.transfer.shm_transport import ShmTransport
 
@@ -154,7 +156,7 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
 
     meta, _ = conn.recv()
     group = pair_group(store_dir, 1, device) if kind == "torch_dist" else None
-    transport = None if kind == "torch_dist" else make(kind)
+    transport = None if kind == "torch_dist" else make(kind, source=False)
     rows = []
     for n_tokens in tokens:
         n = n_tokens // BLOCK

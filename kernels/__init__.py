@@ -31,6 +31,7 @@ __all__ = [
     "decode_linear_add",
     "decode_linear_glu",
     "decode_linear_partials",
+    "decode_attention_unsplit",
     "decode_qkv_rotary",
     "embed_rms_norm",
     "kv_block_checksums",
@@ -52,6 +53,7 @@ _LAZY = {
     "DecodeWorkspace": "decode_plan",
     "plan_decode": "decode_plan",
     "paged_decode_attention": "paged_decode",
+    "decode_attention_unsplit": "paged_decode",
     "paged_prefill_attention": "paged_prefill",
     "write_kv": "kv_write",
     "rms_norm": "norm",
@@ -85,7 +87,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .logit_adjust import adjust_logit_rows
     from .logprobs import row_logprobs
     from .norm import add_residual, embed_rms_norm, rms_norm
-    from .paged_decode import paged_decode_attention
+    from .paged_decode import decode_attention_unsplit, paged_decode_attention
     from .paged_prefill import paged_prefill_attention
     from .qkv_rotary import decode_qkv_rotary
     from .rotary import apply_rotary_qk, apply_rotary_qk_and_write_kv

@@ -46,10 +46,15 @@ def pdl_mode(device: torch.device) -> int:
     return mode if mode and _capable(device) else 0
 
 
-def pdl_launch(device: torch.device) -> dict:
+def pdl_launch(device: torch.device, signal_early: bool = True) -> dict:
     """Keyword arguments for `kernel[grid](...)`: the kernel's `PDL` constexpr, and Triton's
-    `launch_pdl` flag when it is on (left out otherwise, for Triton's interpreter)."""
+    `launch_pdl` flag when it is on (left out otherwise, for Triton's interpreter).
+    `signal_early=False`: mode 2 taken as 1 for this kernel — its dependents' programs are
+    launched as its own exit, not while it runs (for a dependent whose early programs would
+    hold multiprocessors and wait, e.g. the unsplit decode attention: paged_decode.py)."""
     mode = pdl_mode(device)
+    if not signal_early:
+        mode = min(mode, 1)
     return {"PDL": mode, "launch_pdl": True} if mode else {"PDL": 0}
 
 

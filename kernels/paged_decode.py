@@ -31,11 +31,12 @@ import triton
 import triton.language as tl
 
 from ._common import LOG2_E, check_kv, check_last_dim_contiguous, dot_precision, next_power_of_2
-from ._pdl import pdl_launch, wait_for_producer
+from ._pdl import pdl_launch, pdl_mode, wait_for_producer
 from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
 from .reference import paged_decode_reference
 
-__all__ = ["DecodePlan", "DecodeWorkspace", "paged_decode_attention", "paged_decode_reference", "plan_decode"]
+__all__ = ["DecodePlan", "DecodeWorkspace", "decode_attention_unsplit", "paged_decode_attention", "paged_decode_reference",
+           "plan_decode"]
 
 
 @triton.jit
@@ -184,6 +185,15 @@ def _decode_reduce_kernel(
     tl.store(out_ptr + b * stride_o_b + h * stride_o_h + offs_d, o.to(out_ptr.dtype.element_ty), mask=mask_d)
 
 
+def decode_attention_unsplit(batch: int, kv: torch.Tensor, max_blocks: int) -> bool:
+    """Whether `paged_decode_attention` of `batch` sequences over `kv` [2, NB, Hkv, BS, D] with
+    block tables `max_blocks` wide runs unsplit (one stage-1 launch, one program per sequence
+    and kv head, no reduce). Off CUDA (no PDL to steer) always False, at no cost."""
+    if pdl_mode(kv.device) < 2:
+        return False
+    return plan_decode(batch, kv.shape[2], max_blocks, kv.shape[3], kv.device).num_partitions == 1
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     kv: torch.Tensor,
@@ -280,12 +290,12 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
-        # An unsplit plan's programs (a large batch) are launched only once the previous kernel has
-        # drained, not early under PDL (H200, benchmarks/RESULTS.md 2026-12-05): batch-64 graph
-        # replay 1.369 -> 1.363 ms in an interleaved A/B (1.371 -> 1.354 in another call), and the
-        # narrower attention setting of session 20 (32-token steps, 6 stages) loses its 1.574 ms
-        # outlier (1.350 launched this way). Split plans (small batches) keep PDL: not measured.
-        **({"PDL": 0} if is_single else pdl),
+        # Under PDL like every kernel here; an unsplit plan's programs (a large batch) should not be
+        # launched early, while the kernel before runs: they would hold multiprocessors and wait
+        # (benchmarks/RESULTS.md 2026-12-05, 2026-12-06 session 33). So the qkv kernel before an
+        # unsplit attention signals at its exit (`decode_attention_unsplit`, `signal_early`):
+        # H100 batch-64 replay 1.591 -> 1.582-1.585 ms against launching this kernel without PDL.
+        **pdl,
     )
     if not is_single:
         _decode_reduce_kernel[(batch, num_q_heads)](

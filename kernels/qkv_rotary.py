@@ -113,7 +113,7 @@ def _qkv_rotary_kernel(
 def decode_qkv_rotary(
     x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     kv: torch.Tensor, slot_mapping: torch.Tensor, num_q_heads: int, config: LinearConfig | None = None,
-    norm: RowNorm | None = None, positions: torch.Tensor | None = None,
+    norm: RowNorm | None = None, positions: torch.Tensor | None = None, signal_early: bool = True,
 ) -> torch.Tensor:
     """q [T, Hq, D] of x [T, K] (T <= MAX_ROWS) through the fused qkv weight, rotated, with the
     rotated k and the v of every row written into kv at slot_mapping [T]: what
@@ -123,7 +123,9 @@ def decode_qkv_rotary(
     its RMSNorm, γ folded into `weight` (`kernels.RowNorm`): the norm takes no launch.
     `positions` (integer [T]): cos and sin are tables [P, head_dim] of every position (views with
     one row stride, `RotaryEmbedding.tables`) and each row's are gathered in the kernel — no
-    gather launch of torch's a step; positions must be < P."""
+    gather launch of torch's a step; positions must be < P. `signal_early=False`: the next kernel
+    (an unsplit decode attention, `kernels.decode_attention_unsplit`) is launched as ours exits,
+    not early under PDL (`_pdl.pdl_launch`)."""
     rows, k = x.shape if x.dim() == 2 else (-1, -1)
     check_kv(kv, kv.shape[-1] if kv.dim() == 5 else 0)
     head_dim, num_kv = kv.shape[4], kv.shape[2]
@@ -166,6 +168,6 @@ def decode_qkv_rotary(
         DOT_PRECISION=dot_precision(x.dtype), NORM=norm is not None,
         PARTS=norm.squares.shape[0] if norm else 1, PARTS_BLOCK=parts_block(norm), GATHER=positions is not None,
         num_warps=num_warps, num_stages=num_stages,
-        **pdl_launch(x.device),
+        **pdl_launch(x.device, signal_early),
     )
     return q

@@ -152,8 +152,10 @@ def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: 
     if config is not None:
         gather = rope.tables is not None and GATHER_ROTARY
         cos, sin = rope.tables if gather else rope.cos_sin()
+        unsplit = meta.planned is None and meta.is_decode_only and kernels.decode_attention_unsplit(
+            t, kv, meta.block_tables.shape[1])
         q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config,
-                                      norm, positions=rope.positions if gather else None)
+                                      norm, positions=rope.positions if gather else None, signal_early=not unsplit)
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
         cos, sin = rope.cos_sin()
