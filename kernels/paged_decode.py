@@ -290,11 +290,11 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(q.dtype),
         num_warps=num_warps,
         num_stages=num_stages,
-        # Under PDL like every kernel here; an unsplit plan's programs (a large batch) should not be
-        # launched early, while the kernel before runs: they would hold multiprocessors and wait
-        # (benchmarks/RESULTS.md 2026-12-05, 2026-12-06 session 33). So the qkv kernel before an
-        # unsplit attention signals at its exit (`decode_attention_unsplit`, `signal_early`):
-        # H100 batch-64 replay 1.591 -> 1.582-1.585 ms against launching this kernel without PDL.
+        # Under PDL like every kernel here. Whether the programs are launched early, while the
+        # kernel before still runs, is that kernel's choice: an unsplit plan's 96 KB programs held
+        # multiprocessors and waited (benchmarks/RESULTS.md 2026-12-05), so our qkv kernel signals
+        # at its exit before them and before small batches' split plans
+        # (engine/models/fused.py::_attention_launched_early, session 33).
         **pdl,
     )
     if not is_single:

@@ -124,8 +124,7 @@ def decode_qkv_rotary(
     `positions` (integer [T]): cos and sin are tables [P, head_dim] of every position (views with
     one row stride, `RotaryEmbedding.tables`) and each row's are gathered in the kernel — no
     gather launch of torch's a step; positions must be < P. `signal_early=False`: the next kernel
-    (an unsplit decode attention, `kernels.decode_attention_unsplit`) is launched as ours exits,
-    not early under PDL (`_pdl.pdl_launch`)."""
+    (the decode attention) is launched as ours exits, not early under PDL (`_pdl.pdl_launch`)."""
     rows, k = x.shape if x.dim() == 2 else (-1, -1)
     check_kv(kv, kv.shape[-1] if kv.dim() == 5 else 0)
     head_dim, num_kv = kv.shape[4], kv.shape[2]

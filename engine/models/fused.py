@@ -140,6 +140,18 @@ def _qkv_config(attn, x: torch.Tensor, meta: AttentionMetadata):
     return config if _unsplit(config) else None
 
 
+def _attention_launched_early(rows: int, kv: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether the qkv kernel lets our decode attention's programs launch while it still runs (PDL
+    mode 2), rather than as it exits. Early only before a split attention of more than 16 rows:
+    H100 batch replays, early against at exit (benchmarks/RESULTS.md, 2026-12-06 session 33), at
+    1-16 rows −0.3 to −3.5% at exit, at 24 and 32 rows (split) +3.7 / +4.0%, at 48 and 64 rows
+    (unsplit: one launch, 96 KB programs) −0.2 / −0.45%. FlashInfer's and prefill steps' attention
+    keep the early signal."""
+    if meta.planned is not None or not meta.is_decode_only:
+        return True
+    return rows > 16 and not kernels.decode_attention_unsplit(rows, kv, meta.block_tables.shape[1])
+
+
 def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: AttentionMetadata, norm=None
                ) -> torch.Tensor:
     """The attention heads' output [T, heads * head_dim] of normed x [T, H], before the o
@@ -152,10 +164,9 @@ def _attention(attn, x: torch.Tensor, rope: StepRotary, kv: torch.Tensor, meta: 
     if config is not None:
         gather = rope.tables is not None and GATHER_ROTARY
         cos, sin = rope.tables if gather else rope.cos_sin()
-        unsplit = meta.planned is None and meta.is_decode_only and kernels.decode_attention_unsplit(
-            t, kv, meta.block_tables.shape[1])
         q = kernels.decode_qkv_rotary(x, attn.qkv_weight, cos, sin, kv, meta.slot_mapping, attn.num_heads, config,
-                                      norm, positions=rope.positions if gather else None, signal_early=not unsplit)
+                                      norm, positions=rope.positions if gather else None,
+                                      signal_early=_attention_launched_early(t, kv, meta))
         o = triton_attention_written(q, kv, meta, attn.scale)
     else:
         cos, sin = rope.cos_sin()
