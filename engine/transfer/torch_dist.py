@@ -7,9 +7,18 @@ handoff descriptor). Per (src, dst) pair the regions travel as one packed buffer
     src rank s: pack(ops s→d) ──isend──▶ dst rank d: irecv ──▶ unpack(ops s→d)
 
 All sends (receives) of a rank are posted together (on CUDA inside one NCCL group call), so no
-ordering between pairs can deadlock. The caller provides the process group (never a TCPStore
-listening on all interfaces) and maps plan ranks to ranks *of that group* with `peers`. The
-group's own methods are called, so it may be a group that `torch.distributed` does not know
+ordering between pairs can deadlock. On the CPU (gloo) a pair's buffer travels in chunks of
+about `CHUNK_BYTES`, cut at layer boundaries, so packing, TCP and unpacking overlap (gloo sends
+and receives on its own threads) instead of running in series::
+
+    src: pack c0 │ pack c1 │ pack c2 │ ...          dst: post every recv, then
+              send c0 │ send c1 │ send c2 │ ...             wait c0 │ unpack c0 │ wait c1 │ unpack c1 │ ...
+
+Both sides cut the same chunks from the plan (`pair_chunks`), and the chunks are consecutive
+slices of the one-buffer layout, so the bytes are the same either way.
+
+The caller provides the process group (never a TCPStore listening on all interfaces) and maps
+plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may be a group that `torch.distributed` does not know
 (a `pair_group` joining two workers) as well as the default group (`group=None`). Only one plan
 may be in flight between two ranks at a time: P2P messages are matched in order.
 """
@@ -19,6 +28,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -26,11 +36,47 @@ import torch.distributed as dist
 
 from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
-from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
-from splitserve.engine.transfer.plan import TransferPlan
+from splitserve.engine.transfer.layout import KVLayout
+from splitserve.engine.transfer.pack import op_numel, pack_ops, packed_numel, unpack_ops
+from splitserve.engine.transfer.plan import TransferOp, TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
 
 _TAG = 0
+
+CHUNK_BYTES = 4 << 20
+"""Target size of a pair's chunks on the CPU (gloo). Measured on this 2-core machine
+(benchmarks/RESULTS.md, 2026-12-06 session 33): one buffer per pair moved 1.3-1.5 GB/s, pack, TCP
+and unpack in series, where raw TCP over loopback reached 4.3."""
+
+
+def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, element_size: int
+                ) -> list[tuple[int, int, tuple[TransferOp, ...]]]:
+    """A pair's ops cut at layer boundaries into consecutive pieces of at least `chunk_bytes`
+    (the last may be smaller): (offset, numel, ops) each, offsets into the `pack_ops(ops, ...)`
+    buffer, whose layout is op after op, layer after layer. `chunk_bytes <= 0`: one piece."""
+    total = packed_numel(ops, layout)
+    if chunk_bytes <= 0 or total * element_size <= chunk_bytes:
+        return [(0, total, tuple(ops))] if ops else []
+    target = -(-chunk_bytes // element_size)
+    chunks: list[tuple[int, int, tuple[TransferOp, ...]]] = []
+    current: list[TransferOp] = []
+    offset = numel = 0
+    for op in ops:
+        per_layer = op_numel(op, layout) // op.num_layers
+        first = 0
+        while first < op.num_layers:
+            take = min(op.num_layers - first, max(1, -(-(target - numel) // per_layer)))
+            current.append(op if take == op.num_layers else replace(
+                op, layer_start=op.layer_start + first, num_layers=take,
+                src_layer_start=op.src_layer_start + first, dst_layer_start=op.dst_layer_start + first))
+            numel += take * per_layer
+            first += take
+            if numel >= target:
+                chunks.append((offset, numel, tuple(current)))
+                offset, numel, current = offset + numel, 0, []
+    if current:
+        chunks.append((offset, numel, tuple(current)))
+    return chunks
 
 
 class _Staging(threading.local):
@@ -73,8 +119,11 @@ def _post(group: dist.ProcessGroup | None, ops: list[tuple[bool, torch.Tensor, i
     return [w for w in works if w is not None]
 
 
-def _wait(works: list, peers_desc: str, timeout_s: float, device: torch.device) -> None:
-    deadline = time.monotonic() + timeout_s
+def _wait(works: list, peers_desc: str, timeout_s: float, device: torch.device, deadline: float | None = None) -> None:
+    """Wait for `works` until `deadline` (a `time.monotonic()`; default `timeout_s` from now),
+    naming `timeout_s` in the error."""
+    if deadline is None:
+        deadline = time.monotonic() + timeout_s
     if device.type == "cuda":  # NCCL works complete asynchronously: poll, never block without a deadline
         while not all(w.is_completed() for w in works):
             if time.monotonic() >= deadline:
@@ -112,23 +161,31 @@ def send_plan(
 ) -> TransferStats:
     """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its rank in `group`."""
     start = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
     check_kv_tensors(kv_tensors, plan.src, src_rank)
     dst_ranks = sorted({op.dst_rank for op in plan.ops_for_src(src_rank)})
     missing = [d for d in dst_ranks if d not in peers]
     if missing:
         raise ValueError(f"no torch.distributed rank for destination ranks {missing} (peers {dict(peers)})")
-    buffers, p2p = [], []
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
+    chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
+    num_bytes, works, p2p = 0, [], []
     for i, dst_rank in enumerate(dst_ranks):
         ops = plan.ops_for_pair(src_rank, dst_rank)
-        buf = pack_ops(ops, plan.src, kv_tensors, out=_STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i))
-        buffers.append(buf)
-        p2p.append((True, buf.view(torch.uint8), peers[dst_rank]))
+        buf = _STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i)
+        for offset, numel, chunk_ops in pair_chunks(ops, plan.src, chunk_bytes, buf.element_size()):
+            piece = pack_ops(chunk_ops, plan.src, kv_tensors, out=buf[offset:offset + numel])
+            if chunk_bytes:  # gloo: on its way while the next chunk is packed
+                works += _post(group, [(True, piece.view(torch.uint8), peers[dst_rank])])
+            else:
+                p2p.append((True, piece.view(torch.uint8), peers[dst_rank]))
+        num_bytes += buf.numel() * buf.element_size()
     if p2p:
-        _wait(_post(group, p2p), f"destination ranks {dst_ranks}", timeout_s, kv_tensors[0].device)
-        _sync(kv_tensors[0].device)
-    num_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    return TransferStats(num_bytes, time.perf_counter() - start, len(buffers))
+        works += _post(group, p2p)
+    if works:
+        _wait(works, f"destination ranks {dst_ranks}", timeout_s, device, deadline)
+        _sync(device)
+    return TransferStats(num_bytes, time.perf_counter() - start, len(dst_ranks))
 
 
 def recv_plan(
@@ -141,21 +198,32 @@ def recv_plan(
 ) -> TransferStats:
     """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its rank in `group`."""
     start = time.perf_counter()
+    deadline = time.monotonic() + timeout_s
     check_kv_tensors(kv_tensors, plan.dst, dst_rank)
     src_ranks = sorted({op.src_rank for op in plan.ops_for_dst(dst_rank)})
     missing = [s for s in src_ranks if s not in peers]
     if missing:
         raise ValueError(f"no torch.distributed rank for source ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
-    buffers, p2p = [], []
+    chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
+    num_bytes, pieces, p2p = 0, [], []
     for i, src_rank in enumerate(src_ranks):
-        buf = _STAGING.get(packed_numel(plan.ops_for_pair(src_rank, dst_rank), plan.dst), dtype, device, "recv", i)
-        buffers.append(buf)
-        p2p.append((False, buf.view(torch.uint8), peers[src_rank]))
+        ops = plan.ops_for_pair(src_rank, dst_rank)
+        buf = _STAGING.get(packed_numel(ops, plan.dst), dtype, device, "recv", i)
+        for offset, numel, chunk_ops in pair_chunks(ops, plan.dst, chunk_bytes, buf.element_size()):
+            piece = buf[offset:offset + numel]
+            pieces.append((src_rank, piece, chunk_ops))
+            p2p.append((False, piece.view(torch.uint8), peers[src_rank]))
+        num_bytes += buf.numel() * buf.element_size()
     if p2p:
-        _wait(_post(group, p2p), f"source ranks {src_ranks}", timeout_s, device)
-    for src_rank, buf in zip(src_ranks, buffers, strict=True):
-        unpack_ops(buf, plan.ops_for_pair(src_rank, dst_rank), plan.dst, kv_tensors)
+        works = _post(group, p2p)  # every receive posted before any wait: no order between sources to deadlock
+        if chunk_bytes:  # gloo: one work per piece, in posting order; unpack each as it lands
+            for work, (_, piece, chunk_ops) in zip(works, pieces, strict=True):
+                _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
+                unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
+        else:
+            _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
+            for _, piece, chunk_ops in pieces:
+                unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
     _sync(device)
-    num_bytes = sum(b.numel() * b.element_size() for b in buffers)
-    return TransferStats(num_bytes, time.perf_counter() - start, len(buffers))
+    return TransferStats(num_bytes, time.perf_counter() - start, len(src_ranks))

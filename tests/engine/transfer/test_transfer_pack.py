@@ -44,3 +44,34 @@ def test_pack_buffer_shape_is_checked():
         unpack_ops(torch.zeros(5), plan.ops, lay, kv)
     with pytest.raises(ValueError, match=r"pack buffer is \(5,\)"):
         pack_ops(plan.ops, lay, kv, out=torch.zeros(5))
+
+
+@pytest.mark.parametrize(("shapes", "per_chunk_layers"), [
+    (((2, 2), (1, 1)), 1), (((2, 2), (1, 1)), 2), (((1, 1), (1, 1)), 2), (((1, 1), (2, 1)), 3), (((1, 1), (1, 1)), 0),
+])
+def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per_chunk_layers):
+    """torch_dist's gloo chunks: cut at layer boundaries, each at least `chunk_bytes` but the last
+    (here 1 to 3 layers' bytes, or 0: one chunk), and packing each into its slice gives the
+    one-buffer bytes exactly (tp 2 x pp 2 -> 1: several ops a pair; 1 -> 2: head slices)."""
+    from splitserve.engine.transfer.pack import op_numel
+    from splitserve.engine.transfer.torch_dist import pair_chunks
+
+    src, dst = layout(*shapes[0], 4), layout(*shapes[1], 4)
+    n, pool = 5, 8
+    src_t, dst_t = block_tables(src, n, pool, 8), block_tables(dst, n, pool, 9)
+    plan = build_plan(src, dst, src_t, dst_t)
+    src_kv = scatter(random_logical(src, n, seed=7), src, src_t, pool)
+    for (s, d) in plan.bytes_by_pair():
+        ops = plan.ops_for_pair(s, d)
+        whole = pack_ops(ops, src, src_kv[s])
+        layer_bytes = op_numel(ops[0], src) // ops[0].num_layers * whole.element_size()  # every op's layers alike
+        chunks = pair_chunks(ops, src, per_chunk_layers * layer_bytes - per_chunk_layers // 2, whole.element_size())
+        layers = sum(op.num_layers for op in ops)
+        assert len(chunks) == (-(-layers // per_chunk_layers) if per_chunk_layers else 1)
+        offset, pieced = 0, torch.full_like(whole, SENTINEL)
+        for i, (start, numel, chunk_ops) in enumerate(chunks):
+            assert start == offset and numel == packed_numel(chunk_ops, src)
+            assert i == len(chunks) - 1 or sum(op.num_layers for op in chunk_ops) == per_chunk_layers
+            pack_ops(chunk_ops, src, src_kv[s], out=pieced[start:start + numel])
+            offset += numel
+        assert offset == whole.numel() and torch.equal(pieced, whole)

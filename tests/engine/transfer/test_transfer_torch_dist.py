@@ -1,5 +1,6 @@
 """torch.distributed (gloo) point-to-point between three real processes. Each case assigns every
-process a source or destination plan rank; data travels as one packed buffer per (src, dst) pair."""
+process a source or destination plan rank; data travels as one packed buffer per (src, dst) pair,
+in layer-cut chunks where the case sets `chunk_bytes` (1 byte: a chunk per layer of every op)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from kvtransfer_helpers import gloo_process, gloo_silent_peer_process, run_proce
 CASES = [
     # tp 2 -> 1 with a cached prefix: processes 0, 1 send, process 2 receives.
     (dict(src=dict(tp=2, pp=1, kv_heads=4), dst=dict(tp=1, pp=1, kv_heads=4), num_blocks=5, pool=8, seed=1,
-          first_block=1),
+          first_block=1, chunk_bytes=1),
      {0: ("src", 0), 1: ("src", 1), 2: ("dst", 0)}),
     # tp 1 -> 2 with one replicated kv head: process 2 sends it to both destination ranks.
     (dict(src=dict(tp=1, pp=1, kv_heads=1), dst=dict(tp=2, pp=1, kv_heads=1), num_blocks=4, pool=8, seed=2,
@@ -16,7 +17,7 @@ CASES = [
      {0: ("dst", 0), 1: ("dst", 1), 2: ("src", 0)}),
     # pp 2 -> 1 with GQA heads: both stages (processes 1, 2) send to process 0.
     (dict(src=dict(tp=1, pp=2, kv_heads=2), dst=dict(tp=1, pp=1, kv_heads=2), num_blocks=3, pool=8, seed=3,
-          first_block=2),
+          first_block=2, chunk_bytes=3000),
      {0: ("dst", 0), 1: ("src", 0), 2: ("src", 1)}),
 ]
 
