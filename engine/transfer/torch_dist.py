@@ -17,10 +17,17 @@ and receives on its own threads) instead of running in series::
 Both sides cut the same chunks from the plan (`pair_chunks`), and the chunks are consecutive
 slices of the one-buffer layout, so the bytes are the same either way.
 
+Where an op moves every kv head of both ranks (same TP, or one replicated head), a block run of a
+layer's K (or V) is one contiguous range in both pools: runs of at least `DIRECT_BYTES` travel as
+their own messages straight from the source pool into the destination pool (`direct_runs`),
+without the two staging copies; the rest is packed as above. The decision reads only the plan,
+so both sides agree on the messages and their order (direct ones first, then the chunks).
+
 The caller provides the process group (never a TCPStore listening on all interfaces) and maps
-plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may be a group that `torch.distributed` does not know
-(a `pair_group` joining two workers) as well as the default group (`group=None`). Only one plan
-may be in flight between two ranks at a time: P2P messages are matched in order.
+plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may
+be a group that `torch.distributed` does not know (a `pair_group` joining two workers) as well as
+the default group (`group=None`). Only one plan may be in flight between two ranks at a time:
+P2P messages are matched in order.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.pack import op_numel, pack_ops, packed_numel, unpack_ops
-from splitserve.engine.transfer.plan import TransferOp, TransferPlan
+from splitserve.engine.transfer.plan import BlockRun, TransferOp, TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
 
 _TAG = 0
@@ -47,6 +54,38 @@ CHUNK_BYTES = 4 << 20
 """Target size of a pair's chunks on the CPU (gloo). Measured on this 2-core machine
 (benchmarks/RESULTS.md, 2026-12-06 session 33): one buffer per pair moved 1.3-1.5 GB/s, pack, TCP
 and unpack in series, where raw TCP over loopback reached 4.3."""
+
+DIRECT_BYTES = 256 << 10
+"""Smallest block run (one layer's K or V) sent straight from pool to pool on the CPU (gloo):
+below it a message's fixed cost outweighs the copy it saves."""
+
+
+def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_bytes: int, element_size: int
+                ) -> tuple[list[tuple[TransferOp, BlockRun]], list[TransferOp]]:
+    """Split a pair's ops into (op, run)s moved pool to pool and the ops left to pack: a run goes
+    direct when its op holds every local kv head on both sides (so the run is contiguous in both
+    pools) and one layer's K of it is at least `direct_bytes` (`<= 0`: none go direct)."""
+    if direct_bytes <= 0:
+        return [], list(ops)
+    direct: list[tuple[TransferOp, BlockRun]] = []
+    packed: list[TransferOp] = []
+    for op in ops:
+        whole = op.num_heads == src.num_local_heads == dst.num_local_heads
+        run_bytes = op.num_heads * src.block_size * src.head_dim * element_size
+        big = [r for r in op.block_runs if whole and r.num_blocks * run_bytes >= direct_bytes]
+        direct += [(op, r) for r in big]
+        rest = tuple(r for r in op.block_runs if r not in big)
+        if rest:
+            packed.append(op if not big else replace(op, block_runs=rest))
+    return direct, packed
+
+
+def _direct_views(op: TransferOp, run: BlockRun, kv_tensors: Sequence[torch.Tensor], side: str):
+    """The byte views of (op, run) in one side's pool, layer after layer, K then V."""
+    layer0, block = (op.src_layer_start, run.src_block) if side == "src" else (op.dst_layer_start, run.dst_block)
+    for i in range(op.num_layers):
+        for kv in kv_tensors[layer0 + i][:, block:block + run.num_blocks]:
+            yield kv.reshape(-1).view(torch.uint8)
 
 
 def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, element_size: int
@@ -169,9 +208,15 @@ def send_plan(
         raise ValueError(f"no torch.distributed rank for destination ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
     chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
+    direct_bytes = DIRECT_BYTES if device.type == "cpu" else 0
     num_bytes, works, p2p = 0, [], []
     for i, dst_rank in enumerate(dst_ranks):
-        ops = plan.ops_for_pair(src_rank, dst_rank)
+        direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
+                                  kv_tensors[0].element_size())
+        for op, run in direct:
+            for view in _direct_views(op, run, kv_tensors, "src"):
+                works += _post(group, [(True, view, peers[dst_rank])])
+                num_bytes += view.numel()
         buf = _STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i)
         for offset, numel, chunk_ops in pair_chunks(ops, plan.src, chunk_bytes, buf.element_size()):
             piece = pack_ops(chunk_ops, plan.src, kv_tensors, out=buf[offset:offset + numel])
@@ -206,9 +251,16 @@ def recv_plan(
         raise ValueError(f"no torch.distributed rank for source ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
     chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
+    direct_bytes = DIRECT_BYTES if device.type == "cpu" else 0
     num_bytes, pieces, p2p = 0, [], []
     for i, src_rank in enumerate(src_ranks):
-        ops = plan.ops_for_pair(src_rank, dst_rank)
+        direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
+                                  kv_tensors[0].element_size())
+        for op, run in direct:  # lands in place: nothing to unpack
+            for view in _direct_views(op, run, kv_tensors, "dst"):
+                pieces.append((src_rank, view, ()))
+                p2p.append((False, view, peers[src_rank]))
+                num_bytes += view.numel()
         buf = _STAGING.get(packed_numel(ops, plan.dst), dtype, device, "recv", i)
         for offset, numel, chunk_ops in pair_chunks(ops, plan.dst, chunk_bytes, buf.element_size()):
             piece = buf[offset:offset + numel]
@@ -220,10 +272,12 @@ def recv_plan(
         if chunk_bytes:  # gloo: one work per piece, in posting order; unpack each as it lands
             for work, (_, piece, chunk_ops) in zip(works, pieces, strict=True):
                 _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
-                unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
+                if chunk_ops:
+                    unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
         else:
             _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
             for _, piece, chunk_ops in pieces:
-                unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
+                if chunk_ops:
+                    unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
     _sync(device)
     return TransferStats(num_bytes, time.perf_counter() - start, len(src_ranks))

@@ -120,8 +120,9 @@ def handoff_case(case: dict):
     src_lay, dst_lay = layout(**case["src"]), layout(**case["dst"])
     n, pool, seed = case["num_blocks"], case["pool"], case["seed"]
     logical = random_logical(src_lay, n, seed)
-    src_tables = block_tables(src_lay, n, pool, seed)
-    dst_tables = block_tables(dst_lay, n, pool, seed + 1, contiguous=case.get("dst_contiguous", False))
+    src_tables = case.get("src_tables") or block_tables(src_lay, n, pool, seed)
+    dst_tables = case.get("dst_tables") or block_tables(dst_lay, n, pool, seed + 1,
+                                                        contiguous=case.get("dst_contiguous", False))
     plan = build_plan(src_lay, dst_lay, src_tables, dst_tables, case["first_block"])
     return src_lay, dst_lay, logical, src_tables, dst_tables, plan
 
@@ -211,7 +212,7 @@ def gloo_process(cases: list[dict], roles: list[dict], pg_rank: int, world: int,
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=pg_rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        default_chunk = torch_dist.CHUNK_BYTES
+        default_chunk, default_direct = torch_dist.CHUNK_BYTES, torch_dist.DIRECT_BYTES
         try:
             for case, role in zip(cases, roles, strict=True):
                 src_lay, dst_lay, logical, src_tables, dst_tables, plan = handoff_case(case)
@@ -219,6 +220,7 @@ def gloo_process(cases: list[dict], roles: list[dict], pg_rank: int, world: int,
                 peers_dst = {r: g for g, (side, r) in role.items() if side == "dst"}
                 side, rank = role[pg_rank]
                 torch_dist.CHUNK_BYTES = case.get("chunk_bytes", default_chunk)  # both sides alike
+                torch_dist.DIRECT_BYTES = case.get("direct_bytes", default_direct)
                 if side == "src":
                     kv = scatter(logical, src_lay, src_tables, case["pool"])[rank]
                     stats = send_plan(plan, rank, kv, peers_dst, timeout_s=30)

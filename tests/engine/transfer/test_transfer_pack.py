@@ -75,3 +75,22 @@ def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per
             pack_ops(chunk_ops, src, src_kv[s], out=pieced[start:start + numel])
             offset += numel
         assert offset == whole.numel() and torch.equal(pieced, whole)
+
+
+def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_both_sides():
+    """torch_dist's pool-to-pool messages: only runs whose one-layer K reaches `direct_bytes`, and
+    only where the op holds every local head of both ranks; the other runs stay in a packed op."""
+    from splitserve.engine.transfer.plan import BlockRun
+    from splitserve.engine.transfer.torch_dist import direct_runs
+
+    lay = layout(1, 1, 2)  # a block's K of one layer: 2 heads x 2 slots x 4 dims x 4 bytes = 64 bytes
+    plan = build_plan(lay, lay, {0: [0, 1, 2, 3, 4]}, {0: [4, 5, 6, 0, 2]})
+    (op,) = plan.ops
+    direct, packed = direct_runs(plan.ops, lay, lay, 2 * 64, 4)
+    assert direct == [(op, BlockRun(0, 4, 3))]
+    assert [o.block_runs for o in packed] == [(BlockRun(3, 0, 1), BlockRun(4, 2, 1))]
+    assert direct_runs(plan.ops, lay, lay, 0, 4) == ([], list(plan.ops))
+    assert len(direct_runs(plan.ops, lay, lay, 1, 4)[0]) == 3 and direct_runs(plan.ops, lay, lay, 1, 4)[1] == []
+    src, dst = layout(2, 1, 4), layout(1, 1, 4)  # tp 2 -> 1: each op holds half the destination's heads
+    split = build_plan(src, dst, {0: [0, 1], 1: [0, 1]}, {0: [0, 1]})
+    assert direct_runs(split.ops, src, dst, 1, 4) == ([], list(split.ops))

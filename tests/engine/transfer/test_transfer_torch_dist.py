@@ -1,6 +1,8 @@
 """torch.distributed (gloo) point-to-point between three real processes. Each case assigns every
 process a source or destination plan rank; data travels as one packed buffer per (src, dst) pair,
-in layer-cut chunks where the case sets `chunk_bytes` (1 byte: a chunk per layer of every op)."""
+in layer-cut chunks where the case sets `chunk_bytes` (1 byte: a chunk per layer of every op), and
+block runs of at least `direct_bytes` (one layer's K) of ops holding every local head on both
+sides go pool to pool as their own messages (1 byte: every such run)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,18 @@ CASES = [
      {0: ("src", 0), 1: ("src", 1), 2: ("dst", 0)}),
     # tp 1 -> 2 with one replicated kv head: process 2 sends it to both destination ranks.
     (dict(src=dict(tp=1, pp=1, kv_heads=1), dst=dict(tp=2, pp=1, kv_heads=1), num_blocks=4, pool=8, seed=2,
-          first_block=0, dst_contiguous=True),
+          first_block=0, dst_contiguous=True, direct_bytes=1),
      {0: ("dst", 0), 1: ("dst", 1), 2: ("src", 0)}),
     # pp 2 -> 1 with GQA heads: both stages (processes 1, 2) send to process 0.
     (dict(src=dict(tp=1, pp=2, kv_heads=2), dst=dict(tp=1, pp=1, kv_heads=2), num_blocks=3, pool=8, seed=3,
           first_block=2, chunk_bytes=3000),
      {0: ("dst", 0), 1: ("src", 0), 2: ("src", 1)}),
+    # pp 1 -> 2, whole heads: the 3-block run (to blocks 4-6) goes pool to pool (a block's K is 64
+    # bytes), the 1-block runs are packed in per-layer chunks, on the same pair.
+    (dict(src=dict(tp=1, pp=1, kv_heads=2), dst=dict(tp=1, pp=2, kv_heads=2), num_blocks=6, pool=8, seed=4,
+          first_block=0, src_tables={0: [0, 1, 2, 3, 4, 5]}, dst_tables={0: [4, 5, 6, 0, 2, 1], 1: [1, 2, 3, 7, 5, 0]},
+          chunk_bytes=1, direct_bytes=2 * 64),
+     {0: ("src", 0), 1: ("dst", 0), 2: ("dst", 1)}),
 ]
 
 
