@@ -17,11 +17,13 @@ and receives on its own threads) instead of running in series::
 Both sides cut the same chunks from the plan (`pair_chunks`), and the chunks are consecutive
 slices of the one-buffer layout, so the bytes are the same either way.
 
-Where an op moves every kv head of both ranks (same TP, or one replicated head), a block run of a
-layer's K (or V) is one contiguous range in both pools: runs of at least `DIRECT_BYTES` travel as
-their own messages straight from the source pool into the destination pool (`direct_runs`),
-without the two staging copies; the rest is packed as above. The decision reads only the plan,
-so both sides agree on the messages and their order (direct ones first, then the chunks).
+Where an op holds every kv head of a rank (same TP; the destination of a TP split; the source of
+a TP merge; one replicated head), a block run of a layer's K (or V) is one contiguous range in that
+rank's pool: runs of at least `DIRECT_BYTES` travel as their own messages (`direct_runs`), read or
+written in place on each side that holds every head and staged through a copy only on a side that
+holds a head slice. Same-layout runs so skip both staging copies, resharded ones one of them. The
+decision reads only the plan, so both sides agree on the messages and their order (the runs'
+first, then the chunks).
 
 The caller provides the process group (never a TCPStore listening on all interfaces) and maps
 plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may
@@ -62,15 +64,16 @@ below it a message's fixed cost outweighs the copy it saves."""
 
 def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_bytes: int, element_size: int
                 ) -> tuple[list[tuple[TransferOp, BlockRun]], list[TransferOp]]:
-    """Split a pair's ops into (op, run)s moved pool to pool and the ops left to pack: a run goes
-    direct when its op holds every local kv head on both sides (so the run is contiguous in both
-    pools) and one layer's K of it is at least `direct_bytes` (`<= 0`: none go direct)."""
+    """Split a pair's ops into (op, run)s sent as their own messages and the ops left to pack: a
+    run goes direct when its op holds every local kv head on at least one side (the run is then
+    contiguous in that side's pool) and one layer's K of it is at least `direct_bytes` (`<= 0`:
+    none go direct)."""
     if direct_bytes <= 0:
         return [], list(ops)
     direct: list[tuple[TransferOp, BlockRun]] = []
     packed: list[TransferOp] = []
     for op in ops:
-        whole = op.num_heads == src.num_local_heads == dst.num_local_heads
+        whole = op.num_heads in (src.num_local_heads, dst.num_local_heads)
         run_bytes = op.num_heads * src.block_size * src.head_dim * element_size
         big = [r for r in op.block_runs if whole and r.num_blocks * run_bytes >= direct_bytes]
         direct += [(op, r) for r in big]
@@ -80,12 +83,28 @@ def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_
     return direct, packed
 
 
-def _direct_views(op: TransferOp, run: BlockRun, kv_tensors: Sequence[torch.Tensor], side: str):
-    """The byte views of (op, run) in one side's pool, layer after layer, K then V."""
-    layer0, block = (op.src_layer_start, run.src_block) if side == "src" else (op.dst_layer_start, run.dst_block)
-    for i in range(op.num_layers):
-        for kv in kv_tensors[layer0 + i][:, block:block + run.num_blocks]:
-            yield kv.reshape(-1).view(torch.uint8)
+def _run_messages(direct: Sequence[tuple[TransferOp, BlockRun]], layout: KVLayout, kv_tensors: Sequence[torch.Tensor],
+                  side: str, staging) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+    """(message, pool region) per direct run, layer and K/V in order: the message is the region
+    itself where this side holds every head (region None: nothing to copy), else a slice of the
+    staging buffer `staging(numel)` returns, to be copied from (send) or into (receive) the region."""
+    regions = []
+    for op, run in direct:
+        layer0, block, head0 = ((op.src_layer_start, run.src_block, op.src_head_start) if side == "src"
+                                else (op.dst_layer_start, run.dst_block, op.dst_head_start))
+        for i in range(op.num_layers):
+            for region in kv_tensors[layer0 + i][:, block:block + run.num_blocks, head0:head0 + op.num_heads]:
+                regions.append((region, op.num_heads == layout.num_local_heads))
+    buf = staging(sum(r.numel() for r, whole in regions if not whole))
+    messages, offset = [], 0
+    for region, whole in regions:
+        if whole:
+            messages.append((region.reshape(-1).view(torch.uint8), None))
+            continue
+        piece = buf[offset:offset + region.numel()].view(region.shape)
+        messages.append((piece.view(-1).view(torch.uint8), region))
+        offset += region.numel()
+    return messages
 
 
 def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, element_size: int
@@ -185,6 +204,15 @@ def _wait(works: list, peers_desc: str, timeout_s: float, device: torch.device, 
             raise TransferTimeout(f"torch.distributed transfer with {peers_desc} timed out after {timeout_s:.1f}s")
 
 
+def _land(piece: torch.Tensor, what, layout: KVLayout, kv_tensors: Sequence[torch.Tensor]) -> None:
+    """Put a received piece in place: `what` is a packed chunk's ops, a direct run's pool region
+    (staged: a head slice), or None (it landed in place)."""
+    if isinstance(what, torch.Tensor):
+        what.copy_(piece.view(what.dtype).view(what.shape))
+    elif what is not None:
+        unpack_ops(piece, what, layout, kv_tensors)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -213,10 +241,13 @@ def send_plan(
     for i, dst_rank in enumerate(dst_ranks):
         direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
                                   kv_tensors[0].element_size())
-        for op, run in direct:
-            for view in _direct_views(op, run, kv_tensors, "src"):
-                works += _post(group, [(True, view, peers[dst_rank])])
-                num_bytes += view.numel()
+        def staging(numel, i=i):
+            return _STAGING.get(numel, dtype, device, "send-run", i)
+        for message, region in _run_messages(direct, plan.src, kv_tensors, "src", staging):
+            if region is not None:  # a head slice: gathered here
+                message.view(dtype).view(region.shape).copy_(region)
+            works += _post(group, [(True, message, peers[dst_rank])])
+            num_bytes += message.numel()
         buf = _STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i)
         for offset, numel, chunk_ops in pair_chunks(ops, plan.src, chunk_bytes, buf.element_size()):
             piece = pack_ops(chunk_ops, plan.src, kv_tensors, out=buf[offset:offset + numel])
@@ -256,11 +287,12 @@ def recv_plan(
     for i, src_rank in enumerate(src_ranks):
         direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
                                   kv_tensors[0].element_size())
-        for op, run in direct:  # lands in place: nothing to unpack
-            for view in _direct_views(op, run, kv_tensors, "dst"):
-                pieces.append((src_rank, view, ()))
-                p2p.append((False, view, peers[src_rank]))
-                num_bytes += view.numel()
+        def staging(numel, i=i):
+            return _STAGING.get(numel, dtype, device, "recv-run", i)
+        for message, region in _run_messages(direct, plan.dst, kv_tensors, "dst", staging):
+            pieces.append((src_rank, message, region))  # region None: landed in place
+            p2p.append((False, message, peers[src_rank]))
+            num_bytes += message.numel()
         buf = _STAGING.get(packed_numel(ops, plan.dst), dtype, device, "recv", i)
         for offset, numel, chunk_ops in pair_chunks(ops, plan.dst, chunk_bytes, buf.element_size()):
             piece = buf[offset:offset + numel]
@@ -272,12 +304,10 @@ def recv_plan(
         if chunk_bytes:  # gloo: one work per piece, in posting order; unpack each as it lands
             for work, (_, piece, chunk_ops) in zip(works, pieces, strict=True):
                 _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
-                if chunk_ops:
-                    unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
+                _land(piece, chunk_ops, plan.dst, kv_tensors)
         else:
             _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
             for _, piece, chunk_ops in pieces:
-                if chunk_ops:
-                    unpack_ops(piece, chunk_ops, plan.dst, kv_tensors)
+                _land(piece, chunk_ops, plan.dst, kv_tensors)
     _sync(device)
     return TransferStats(num_bytes, time.perf_counter() - start, len(src_ranks))

@@ -78,8 +78,9 @@ def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per
 
 
 def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_both_sides():
-    """torch_dist's pool-to-pool messages: only runs whose one-layer K reaches `direct_bytes`, and
-    only where the op holds every local head of both ranks; the other runs stay in a packed op."""
+    """torch_dist's per-run messages: only runs whose one-layer K reaches `direct_bytes` (here in
+    bytes of a layer's K of the op's heads), of ops holding every local head of at least one side;
+    the other runs stay in a packed op."""
     from splitserve.engine.transfer.plan import BlockRun
     from splitserve.engine.transfer.torch_dist import direct_runs
 
@@ -91,6 +92,10 @@ def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_both_sides()
     assert [o.block_runs for o in packed] == [(BlockRun(3, 0, 1), BlockRun(4, 2, 1))]
     assert direct_runs(plan.ops, lay, lay, 0, 4) == ([], list(plan.ops))
     assert len(direct_runs(plan.ops, lay, lay, 1, 4)[0]) == 3 and direct_runs(plan.ops, lay, lay, 1, 4)[1] == []
-    src, dst = layout(2, 1, 4), layout(1, 1, 4)  # tp 2 -> 1: each op holds half the destination's heads
-    split = build_plan(src, dst, {0: [0, 1], 1: [0, 1]}, {0: [0, 1]})
-    assert direct_runs(split.ops, src, dst, 1, 4) == ([], list(split.ops))
+    src, dst = layout(2, 1, 4), layout(1, 1, 4)  # tp 2 -> 1: each op every head of its source, half the destination's
+    merge = build_plan(src, dst, {0: [0, 1], 1: [0, 1]}, {0: [0, 1]})
+    assert [op for op, _ in direct_runs(merge.ops, src, dst, 2 * 64, 4)[0]] == list(merge.ops)
+    assert direct_runs(merge.ops, src, dst, 2 * 64 + 1, 4) == ([], list(merge.ops))
+    replicated = layout(1, 1, 1), layout(2, 1, 1)  # one head, replicated on the destination: whole on both
+    split = build_plan(*replicated, {0: [0, 1]}, {0: [2, 3], 1: [0, 1]})
+    assert len(direct_runs(split.ops, *replicated, 1, 4)[0]) == len(split.ops) == 2

@@ -1,17 +1,18 @@
 """torch.distributed (gloo) point-to-point between three real processes. Each case assigns every
 process a source or destination plan rank; data travels as one packed buffer per (src, dst) pair,
 in layer-cut chunks where the case sets `chunk_bytes` (1 byte: a chunk per layer of every op), and
-block runs of at least `direct_bytes` (one layer's K) of ops holding every local head on both
-sides go pool to pool as their own messages (1 byte: every such run)."""
+block runs of at least `direct_bytes` (one layer's K) of ops holding every local head on at least
+one side go as their own messages, in place on such a side (1 byte: every such run)."""
 
 from __future__ import annotations
 
 from kvtransfer_helpers import gloo_process, gloo_silent_peer_process, run_processes
 
 CASES = [
-    # tp 2 -> 1 with a cached prefix: processes 0, 1 send, process 2 receives.
+    # tp 2 -> 1 with a cached prefix, every run its own message: sent from the source pools, received
+    # into staging and copied into the head slices; processes 0, 1 send, process 2 receives.
     (dict(src=dict(tp=2, pp=1, kv_heads=4), dst=dict(tp=1, pp=1, kv_heads=4), num_blocks=5, pool=8, seed=1,
-          first_block=1, chunk_bytes=1),
+          first_block=1, direct_bytes=1),
      {0: ("src", 0), 1: ("src", 1), 2: ("dst", 0)}),
     # tp 1 -> 2 with one replicated kv head: process 2 sends it to both destination ranks.
     (dict(src=dict(tp=1, pp=1, kv_heads=1), dst=dict(tp=2, pp=1, kv_heads=1), num_blocks=4, pool=8, seed=2,
@@ -27,6 +28,11 @@ CASES = [
           first_block=0, src_tables={0: [0, 1, 2, 3, 4, 5]}, dst_tables={0: [4, 5, 6, 0, 2, 1], 1: [1, 2, 3, 7, 5, 0]},
           chunk_bytes=1, direct_bytes=2 * 64),
      {0: ("src", 0), 1: ("dst", 0), 2: ("dst", 1)}),
+    # tp 1 -> 2, every run its own message: gathered from the source's head slices into staging,
+    # received straight into the destination pools.
+    (dict(src=dict(tp=1, pp=1, kv_heads=4), dst=dict(tp=2, pp=1, kv_heads=4), num_blocks=4, pool=6, seed=5,
+          first_block=1, direct_bytes=1),
+     {0: ("dst", 1), 1: ("src", 0), 2: ("dst", 0)}),
 ]
 
 
