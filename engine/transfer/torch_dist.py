@@ -7,23 +7,10 @@ handoff descriptor). Per (src, dst) pair the regions travel as one packed buffer
     src rank s: pack(ops s→d) ──isend──▶ dst rank d: irecv ──▶ unpack(ops s→d)
 
 All sends (receives) of a rank are posted together (on CUDA inside one NCCL group call), so no
-ordering between pairs can deadlock. On the CPU (gloo) a pair's buffer travels in chunks of
-about `CHUNK_BYTES`, cut at layer boundaries, so packing, TCP and unpacking overlap (gloo sends
-and receives on its own threads) instead of running in series::
-
-    src: pack c0 │ pack c1 │ pack c2 │ ...          dst: post every recv, then
-              send c0 │ send c1 │ send c2 │ ...             wait c0 │ unpack c0 │ wait c1 │ unpack c1 │ ...
-
-Both sides cut the same chunks from the plan (`pair_chunks`), and the chunks are consecutive
-slices of the one-buffer layout, so the bytes are the same either way.
-
-Where an op holds every kv head of a rank (same TP; the destination of a TP split; the source of
-a TP merge; one replicated head), a block run of a layer's K (or V) is one contiguous range in that
-rank's pool: runs of at least `DIRECT_BYTES` travel as their own messages (`direct_runs`), read or
-written in place on each side that holds every head and staged through a copy only on a side that
-holds a head slice. Same-layout runs so skip both staging copies, resharded ones one of them. The
-decision reads only the plan, so both sides agree on the messages and their order (the runs'
-first, then the chunks).
+ordering between pairs can deadlock. On the CPU (gloo) a pair travels as several messages
+instead, cut from the plan by `p2p_messages.py` (layer-cut chunks of the packed buffer, and
+block runs read and written in place), so packing, TCP and unpacking overlap and most of the
+staging copies go.
 
 The caller provides the process group (never a TCPStore listening on all interfaces) and maps
 plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may
@@ -37,105 +24,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from splitserve.engine.host_memory import huge_page_empty
+from splitserve.engine.transfer import p2p_messages
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.layout import KVLayout
-from splitserve.engine.transfer.pack import op_numel, pack_ops, packed_numel, unpack_ops
-from splitserve.engine.transfer.plan import BlockRun, TransferOp, TransferPlan
+from splitserve.engine.transfer.p2p_messages import direct_runs, pair_chunks, run_messages
+from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
+from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
 
 _TAG = 0
-
-CHUNK_BYTES = 4 << 20
-"""Target size of a pair's chunks on the CPU (gloo). Measured on this 2-core machine
-(benchmarks/RESULTS.md, 2026-12-06 session 33): one buffer per pair moved 1.3-1.5 GB/s, pack, TCP
-and unpack in series, where raw TCP over loopback reached 4.3."""
-
-DIRECT_BYTES = 256 << 10
-"""Smallest block run (one layer's K or V) sent straight from pool to pool on the CPU (gloo):
-below it a message's fixed cost outweighs the copy it saves."""
-
-
-def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_bytes: int, element_size: int
-                ) -> tuple[list[tuple[TransferOp, BlockRun]], list[TransferOp]]:
-    """Split a pair's ops into (op, run)s sent as their own messages and the ops left to pack: a
-    run goes direct when its op holds every local kv head on at least one side (the run is then
-    contiguous in that side's pool) and one layer's K of it is at least `direct_bytes` (`<= 0`:
-    none go direct)."""
-    if direct_bytes <= 0:
-        return [], list(ops)
-    direct: list[tuple[TransferOp, BlockRun]] = []
-    packed: list[TransferOp] = []
-    for op in ops:
-        whole = op.num_heads in (src.num_local_heads, dst.num_local_heads)
-        run_bytes = op.num_heads * src.block_size * src.head_dim * element_size
-        big = [r for r in op.block_runs if whole and r.num_blocks * run_bytes >= direct_bytes]
-        direct += [(op, r) for r in big]
-        rest = tuple(r for r in op.block_runs if r not in big)
-        if rest:
-            packed.append(op if not big else replace(op, block_runs=rest))
-    return direct, packed
-
-
-def _run_messages(direct: Sequence[tuple[TransferOp, BlockRun]], layout: KVLayout, kv_tensors: Sequence[torch.Tensor],
-                  side: str, staging) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
-    """(message, pool region) per direct run, layer and K/V in order: the message is the region
-    itself where this side holds every head (region None: nothing to copy), else a slice of the
-    staging buffer `staging(numel)` returns, to be copied from (send) or into (receive) the region."""
-    regions = []
-    for op, run in direct:
-        layer0, block, head0 = ((op.src_layer_start, run.src_block, op.src_head_start) if side == "src"
-                                else (op.dst_layer_start, run.dst_block, op.dst_head_start))
-        for i in range(op.num_layers):
-            for region in kv_tensors[layer0 + i][:, block:block + run.num_blocks, head0:head0 + op.num_heads]:
-                regions.append((region, op.num_heads == layout.num_local_heads))
-    buf = staging(sum(r.numel() for r, whole in regions if not whole))
-    messages, offset = [], 0
-    for region, whole in regions:
-        if whole:
-            messages.append((region.reshape(-1).view(torch.uint8), None))
-            continue
-        piece = buf[offset:offset + region.numel()].view(region.shape)
-        messages.append((piece.view(-1).view(torch.uint8), region))
-        offset += region.numel()
-    return messages
-
-
-def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, element_size: int
-                ) -> list[tuple[int, int, tuple[TransferOp, ...]]]:
-    """A pair's ops cut at layer boundaries into consecutive pieces of at least `chunk_bytes`
-    (the last may be smaller): (offset, numel, ops) each, offsets into the `pack_ops(ops, ...)`
-    buffer, whose layout is op after op, layer after layer. `chunk_bytes <= 0`: one piece."""
-    total = packed_numel(ops, layout)
-    if chunk_bytes <= 0 or total * element_size <= chunk_bytes:
-        return [(0, total, tuple(ops))] if ops else []
-    target = -(-chunk_bytes // element_size)
-    chunks: list[tuple[int, int, tuple[TransferOp, ...]]] = []
-    current: list[TransferOp] = []
-    offset = numel = 0
-    for op in ops:
-        per_layer = op_numel(op, layout) // op.num_layers
-        first = 0
-        while first < op.num_layers:
-            take = min(op.num_layers - first, max(1, -(-(target - numel) // per_layer)))
-            current.append(op if take == op.num_layers else replace(
-                op, layer_start=op.layer_start + first, num_layers=take,
-                src_layer_start=op.src_layer_start + first, dst_layer_start=op.dst_layer_start + first))
-            numel += take * per_layer
-            first += take
-            if numel >= target:
-                chunks.append((offset, numel, tuple(current)))
-                offset, numel, current = offset + numel, 0, []
-    if current:
-        chunks.append((offset, numel, tuple(current)))
-    return chunks
-
 
 class _Staging(threading.local):
     """Pack buffers kept between transfers, per thread: a fresh 1 GB buffer per transfer cost
@@ -235,15 +138,15 @@ def send_plan(
     if missing:
         raise ValueError(f"no torch.distributed rank for destination ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
-    chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
-    direct_bytes = DIRECT_BYTES if device.type == "cpu" else 0
+    chunk_bytes = p2p_messages.CHUNK_BYTES if device.type == "cpu" else 0
+    direct_bytes = p2p_messages.DIRECT_BYTES if device.type == "cpu" else 0
     num_bytes, works, p2p = 0, [], []
     for i, dst_rank in enumerate(dst_ranks):
         direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
                                   kv_tensors[0].element_size())
         def staging(numel, i=i):
             return _STAGING.get(numel, dtype, device, "send-run", i)
-        for message, region in _run_messages(direct, plan.src, kv_tensors, "src", staging):
+        for message, region in run_messages(direct, plan.src, kv_tensors, "src", staging):
             if region is not None:  # a head slice: gathered here
                 message.view(dtype).view(region.shape).copy_(region)
             works += _post(group, [(True, message, peers[dst_rank])])
@@ -281,15 +184,15 @@ def recv_plan(
     if missing:
         raise ValueError(f"no torch.distributed rank for source ranks {missing} (peers {dict(peers)})")
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
-    chunk_bytes = CHUNK_BYTES if device.type == "cpu" else 0
-    direct_bytes = DIRECT_BYTES if device.type == "cpu" else 0
+    chunk_bytes = p2p_messages.CHUNK_BYTES if device.type == "cpu" else 0
+    direct_bytes = p2p_messages.DIRECT_BYTES if device.type == "cpu" else 0
     num_bytes, pieces, p2p = 0, [], []
     for i, src_rank in enumerate(src_ranks):
         direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
                                   kv_tensors[0].element_size())
         def staging(numel, i=i):
             return _STAGING.get(numel, dtype, device, "recv-run", i)
-        for message, region in _run_messages(direct, plan.dst, kv_tensors, "dst", staging):
+        for message, region in run_messages(direct, plan.dst, kv_tensors, "dst", staging):
             pieces.append((src_rank, message, region))  # region None: landed in place
             p2p.append((False, message, peers[src_rank]))
             num_bytes += message.numel()

@@ -207,20 +207,20 @@ def gloo_process(cases: list[dict], roles: list[dict], pg_rank: int, world: int,
 
         import torch.distributed as dist
 
-        from splitserve.engine.transfer import torch_dist
+        from splitserve.engine.transfer import p2p_messages
         from splitserve.engine.transfer.torch_dist import recv_plan, send_plan
 
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=pg_rank, world_size=world,
                                 timeout=timedelta(seconds=60))
-        default_chunk, default_direct = torch_dist.CHUNK_BYTES, torch_dist.DIRECT_BYTES
+        default_chunk, default_direct = p2p_messages.CHUNK_BYTES, p2p_messages.DIRECT_BYTES
         try:
             for case, role in zip(cases, roles, strict=True):
                 src_lay, dst_lay, logical, src_tables, dst_tables, plan = handoff_case(case)
                 peers_src = {r: g for g, (side, r) in role.items() if side == "src"}
                 peers_dst = {r: g for g, (side, r) in role.items() if side == "dst"}
                 side, rank = role[pg_rank]
-                torch_dist.CHUNK_BYTES = case.get("chunk_bytes", default_chunk)  # both sides alike
-                torch_dist.DIRECT_BYTES = case.get("direct_bytes", default_direct)
+                p2p_messages.CHUNK_BYTES = case.get("chunk_bytes", default_chunk)  # both sides alike
+                p2p_messages.DIRECT_BYTES = case.get("direct_bytes", default_direct)
                 if side == "src":
                     kv = scatter(logical, src_lay, src_tables, case["pool"])[rank]
                     stats = send_plan(plan, rank, kv, peers_dst, timeout_s=30)

@@ -53,8 +53,8 @@ def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per
     """torch_dist's gloo chunks: cut at layer boundaries, each at least `chunk_bytes` but the last
     (here 1 to 3 layers' bytes, or 0: one chunk), and packing each into its slice gives the
     one-buffer bytes exactly (tp 2 x pp 2 -> 1: several ops a pair; 1 -> 2: head slices)."""
+    from splitserve.engine.transfer.p2p_messages import pair_chunks
     from splitserve.engine.transfer.pack import op_numel
-    from splitserve.engine.transfer.torch_dist import pair_chunks
 
     src, dst = layout(*shapes[0], 4), layout(*shapes[1], 4)
     n, pool = 5, 8
@@ -77,12 +77,12 @@ def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per
         assert offset == whole.numel() and torch.equal(pieced, whole)
 
 
-def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_both_sides():
+def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_a_side():
     """torch_dist's per-run messages: only runs whose one-layer K reaches `direct_bytes` (here in
     bytes of a layer's K of the op's heads), of ops holding every local head of at least one side;
     the other runs stay in a packed op."""
+    from splitserve.engine.transfer.p2p_messages import direct_runs
     from splitserve.engine.transfer.plan import BlockRun
-    from splitserve.engine.transfer.torch_dist import direct_runs
 
     lay = layout(1, 1, 2)  # a block's K of one layer: 2 heads x 2 slots x 4 dims x 4 bytes = 64 bytes
     plan = build_plan(lay, lay, {0: [0, 1, 2, 3, 4]}, {0: [4, 5, 6, 0, 2]})
