@@ -39,8 +39,10 @@ CHUNK_BYTES = 4 << 20
 and unpack in series, where raw TCP over loopback reached 4.3."""
 
 DIRECT_BYTES = 256 << 10
-"""Smallest block run (one layer's K or V) sent straight from pool to pool on the CPU (gloo):
-below it a message's fixed cost outweighs the copy it saves."""
+"""Smallest block run (one layer's K or V) sent as its own message on the CPU (gloo): below it a
+message's fixed cost outweighs the copies it saves. Measured here (2 processes, one core each,
+256 MB in equal messages all posted at once): ~20 us a message; 16 KB messages moved 0.7-0.8
+GB/s, 64 KB 1.4-1.7, 256 KB 2.9-3.8, 1-4 MB 2.5-3.9, while packing 256 KB costs ~15-25 us a side."""
 
 
 def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_bytes: int, element_size: int
