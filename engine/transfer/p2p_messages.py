@@ -35,7 +35,7 @@ from splitserve.engine.transfer.plan import BlockRun, TransferOp
 
 CHUNK_BYTES = 4 << 20
 """Target size of a pair's chunks on the CPU (gloo). Measured on this 2-core machine
-(benchmarks/RESULTS.md, 2026-12-06 session 33): one buffer per pair moved 1.3-1.5 GB/s, pack, TCP
+(benchmarks/RESULTS.md, 2026-12-06 session 33): one buffer per pair moved 1.3-1.8 GB/s, pack, TCP
 and unpack in series, where raw TCP over loopback reached 4.3."""
 
 DIRECT_BYTES = 256 << 10
@@ -69,7 +69,8 @@ def direct_runs(ops: Sequence[TransferOp], src: KVLayout, dst: KVLayout, direct_
 def run_messages(direct: Sequence[tuple[TransferOp, BlockRun]], layout: KVLayout, kv_tensors: Sequence[torch.Tensor],
                   side: str, staging) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
     """(message, pool region) per direct run, layer and K/V in order: the message is the region
-    itself where this side holds every head (region None: nothing to copy), else a slice of the
+    itself where this side holds every head (region None: nothing to copy; a pool that is not
+    contiguous is staged too, never received into a temporary), else a slice of the
     staging buffer `staging(numel)` returns, to be copied from (send) or into (receive) the region."""
     regions = []
     for op, run in direct:
@@ -77,12 +78,12 @@ def run_messages(direct: Sequence[tuple[TransferOp, BlockRun]], layout: KVLayout
                                 else (op.dst_layer_start, run.dst_block, op.dst_head_start))
         for i in range(op.num_layers):
             for region in kv_tensors[layer0 + i][:, block:block + run.num_blocks, head0:head0 + op.num_heads]:
-                regions.append((region, op.num_heads == layout.num_local_heads))
+                regions.append((region, op.num_heads == layout.num_local_heads and region.is_contiguous()))
     buf = staging(sum(r.numel() for r, whole in regions if not whole))
     messages, offset = [], 0
     for region, whole in regions:
         if whole:
-            messages.append((region.reshape(-1).view(torch.uint8), None))
+            messages.append((region.view(-1).view(torch.uint8), None))
             continue
         piece = buf[offset:offset + region.numel()].view(region.shape)
         messages.append((piece.view(-1).view(torch.uint8), region))
