@@ -99,3 +99,26 @@ def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_a_side():
     replicated = layout(1, 1, 1), layout(2, 1, 1)  # one head, replicated on the destination: whole on both
     split = build_plan(*replicated, {0: [0, 1]}, {0: [2, 3], 1: [0, 1]})
     assert len(direct_runs(split.ops, *replicated, 1, 4)[0]) == len(split.ops) == 2
+
+
+def test_run_messages_read_whole_head_regions_in_place_and_stage_the_rest():
+    """Where a side holds every head the message is its pool's own memory (a receive lands in
+    place); a head slice, or a pool tensor that is not contiguous, goes through staging."""
+    from splitserve.engine.transfer.p2p_messages import direct_runs, run_messages
+
+    src, dst = layout(1, 1, 4), layout(2, 1, 4)  # tp 1 -> 2: a head slice on the source, whole on the destination
+    plan = build_plan(src, dst, {0: [0, 1, 2]}, {0: [3, 4, 5], 1: [0, 1, 2]})
+    src_kv = scatter(random_logical(src, 3, seed=3), src, {0: [0, 1, 2]}, 6)[0]
+    dst_kv = [torch.zeros(dst.kv_shape(6)) for _ in range(3)]
+    direct, packed = direct_runs(plan.ops_for_pair(0, 0), src, dst, 1, 4)
+    assert len(direct) == 1 and packed == []
+    staging = []
+    src_msgs = run_messages(direct, src, src_kv, "src", lambda n: staging.append(n) or torch.zeros(n))
+    assert staging == [3 * 2 * 3 * 2 * 2 * 4] and all(region is not None for _, region in src_msgs)
+    dst_msgs = run_messages(direct, dst, dst_kv, "dst", lambda n: torch.zeros(n))
+    assert len(dst_msgs) == 3 * 2 and all(region is None for _, region in dst_msgs)
+    message = dst_msgs[1][0]  # layer 0's V, blocks 3-5: the pool's bytes themselves
+    message.view(torch.float32).fill_(7.0)
+    assert torch.all(dst_kv[0][1, 3:6] == 7.0) and torch.all(dst_kv[0][0] == 0)
+    strided = [t.transpose(3, 4).contiguous().transpose(3, 4) for t in dst_kv]  # same values, not contiguous
+    assert all(region is not None for _, region in run_messages(direct, dst, strided, "dst", torch.zeros))
