@@ -193,24 +193,24 @@ def recv_plan(
         def staging(numel, i=i):
             return _STAGING.get(numel, dtype, device, "recv-run", i)
         for message, region in run_messages(direct, plan.dst, kv_tensors, "dst", staging):
-            pieces.append((src_rank, message, region))  # region None: landed in place
+            pieces.append((message, region))  # region None: landed in place
             p2p.append((False, message, peers[src_rank]))
             num_bytes += message.numel()
         buf = _STAGING.get(packed_numel(ops, plan.dst), dtype, device, "recv", i)
         for offset, numel, chunk_ops in pair_chunks(ops, plan.dst, chunk_bytes, buf.element_size()):
             piece = buf[offset:offset + numel]
-            pieces.append((src_rank, piece, chunk_ops))
+            pieces.append((piece, chunk_ops))
             p2p.append((False, piece.view(torch.uint8), peers[src_rank]))
         num_bytes += buf.numel() * buf.element_size()
     if p2p:
         works = _post(group, p2p)  # every receive posted before any wait: no order between sources to deadlock
         if chunk_bytes:  # gloo: one work per piece, in posting order; unpack each as it lands
-            for work, (_, piece, chunk_ops) in zip(works, pieces, strict=True):
+            for work, (piece, chunk_ops) in zip(works, pieces, strict=True):
                 _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
                 _land(piece, chunk_ops, plan.dst, kv_tensors)
         else:
             _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
-            for _, piece, chunk_ops in pieces:
+            for piece, chunk_ops in pieces:
                 _land(piece, chunk_ops, plan.dst, kv_tensors)
     _sync(device)
     return TransferStats(num_bytes, time.perf_counter() - start, len(src_ranks))
