@@ -14,6 +14,8 @@ transfer plan, for 1k / 8k / 32k-token prompts, per transport:
   layer on its progress board — and the destination pulls. `off`: the pull starts when
   prefill ends; `layerwise`: it streams from prefill start (engine/transfer/streaming.py).
   Exposed = the handoff's time after prefill ends, i.e. transfer time not hidden by compute.
+  torch_dist pushes instead: `off` after prefill ends, `layerwise` each layer once computed
+  (`send_plan(..., layer_ready=)`), into receives posted at prefill start.
 
     python benchmarks/handoff.py                         # CPU: shm, nixl, torch_dist (gloo; and TCP's ceiling)
     python benchmarks/handoff.py --transports nixl,nixl_strided --no-exposed   # NIXL reshards: staged vs strided
@@ -24,7 +26,7 @@ transfer plan, for 1k / 8k / 32k-token prompts, per transport:
 nixl_packed reshards: the source packs the head slices (engine/transfer/source_pack.py) before
 the timed pull, as a prefill worker does layer by layer under its compute; `source pack ms` is
 that packing's own time (nan: nothing packed).
-torch_dist and cuda_ipc have no layer-wise mode (no board): their exposed columns read n/a.
+cuda_ipc has no layer-wise mode (no board: its whole 8k pull takes ~0.2 ms): its exposed columns read n/a.
 """
 
 from __future__ import annotations
@@ -101,7 +103,7 @@ def main() -> None:
                       f"{r['copy_gbps']:>9.2f} {r['gbps'] / r['copy_gbps']:>6.1%} {r['median_ratio']:>6.1%} "
                       f"{r['prefill_s'] * 1e3:>10.1f} "
                       f"{off:>14} {on:>20} {r['pack_ms']:>14.1f}")
-    print(f"layer-wise streaming available for: {', '.join(k for k in kinds if k in STREAMING) or 'none'}")
+    print(f"layer-wise streaming available for: {', '.join(k for k in kinds if k in STREAMING or k == 'torch_dist') or 'none'}")
     if "torch_dist" in kinds and not args.gpu:  # gloo's only transport is TCP: its ceiling, in the same run
         tcp, copy = tcp_ceiling(ctx)
         print(f"raw TCP over loopback between two processes {tcp:.2f} GB/s = {tcp / copy:.1%} of a 1-thread copy "

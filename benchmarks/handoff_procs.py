@@ -10,6 +10,10 @@ Commands over the pipe, destination → source:
                                                    monotonic time prefill ended; wait for the
                                                    ack; close the slot (and free the packing)
     plan (torch_dist only)                         send this plan's ops
+    ("push", plan, layer_s, layerwise)             (torch_dist only) "compute" one layer every
+                                                   layer_s seconds and push the plan's ops after
+                                                   the last, or each layer once computed; send the
+                                                   monotonic time prefill ended
     None                                           exit
 """
 
@@ -85,8 +89,12 @@ def source(conn, kind: str, max_blocks: int, device: str, store_dir: str, thread
 
         conn.send((b"", b""))  # first: the destination joins the group after this
         group = pair_group(store_dir, 0, device)
-        while (plan := conn.recv()) is not None:
-            send_plan(plan, 0, kv, {0: 1}, group=group)
+        while (msg := conn.recv()) is not None:
+            if isinstance(msg, tuple):  # ("push", plan, layer_s, layerwise): a modelled prefill
+                _, plan, layer_s, layerwise = msg
+                _push_during_prefill(conn, plan, kv, group, layer_s, layerwise)
+            else:
+                send_plan(msg, 0, kv, {0: 1}, group=group)
         return
     packing = kind == "nixl_packed"
     transport = make(kind, sum(t.numel() * t.element_size() for t in kv) if packing else 0)
@@ -115,6 +123,26 @@ def source(conn, kind: str, max_blocks: int, device: str, store_dir: str, thread
             transport.pack_release(request_id)
         board.close(request_id)
     transport.close()
+
+
+def _push_during_prefill(conn, plan, kv, group, layer_s: float, layerwise: bool) -> None:
+    """torch_dist's exposed-time run: "compute" one layer every `layer_s` (sleeping), then push
+    after the last (`layerwise` False), or push each layer as it is computed; send the monotonic
+    time prefill ended once the push is done."""
+    from splitserve.engine.transfer.torch_dist import send_plan
+
+    start = time.monotonic()
+    prefill_end = start + LAYERS * layer_s
+
+    def layer_ready(layer: int, seconds_left: float) -> None:
+        time.sleep(max(0.0, start + (layer + 1) * layer_s - time.monotonic()))
+
+    if layerwise:
+        send_plan(plan, 0, kv, {0: 1}, group=group, layer_ready=layer_ready)
+    else:
+        time.sleep(max(0.0, prefill_end - time.monotonic()))
+        send_plan(plan, 0, kv, {0: 1}, group=group)
+    conn.send(prefill_end)
 
 
 _COPY_BUFFERS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -204,6 +232,10 @@ def destination(conn, kind, tokens, device, store_dir, prefill_tok_s, repeats, e
                                          for i in range(2))
                 row["exposed_on"] = min(_exposed(conn, n_tokens, prefill_s, f"on-{i}", dst_tp, None, stream)
                                         for i in range(2))
+            elif kind == "torch_dist" and exposed:
+                row["exposed_off"], row["exposed_on"] = (
+                    min(_pushed_exposed(conn, plan, kv, group, prefill_s, layerwise) for _ in range(2))
+                    for layerwise in (False, True))
             rows.append(row)
     conn.send(None)
     out.put(rows)
@@ -248,6 +280,17 @@ def _exposed(conn, n_tokens, prefill_s, request_id, dst_tp, pull_after, stream) 
         done = time.monotonic()
     conn.send("ack")
     return max(0.0, done - prefill_end)
+
+
+def _pushed_exposed(conn, plan, kv, group, prefill_s: float, layerwise: bool) -> float:
+    """torch_dist: seconds the push ran past the end of a modelled prefill; every receive is
+    posted at prefill start."""
+    from splitserve.engine.transfer.torch_dist import recv_plan
+
+    conn.send(("push", plan, prefill_s / LAYERS, layerwise))
+    recv_plan(plan, 0, kv, {0: 0}, group=group, timeout_s=120, by_layer=layerwise)
+    done = time.monotonic()
+    return max(0.0, done - conn.recv())
 
 
 def _tcp_sink(conn, nbytes: int, chunk: int) -> None:

@@ -18,8 +18,13 @@ One packed buffer per pair (`pack.py`) moves pack, TCP and unpack in series. Ins
   every head and staged through a copy only on a side that holds a head slice. Same-layout runs
   so skip both staging copies, resharded ones one of them.
 
-Every decision reads only the plan, so both sides agree on the messages and their order (the
-runs' first, then the chunks). Measured in benchmarks/RESULTS.md (2026-12-06, sessions 33-34).
+- **Layer by layer.** A layer-wise push (`layer_groups(..., by_layer=True)`) cuts a pair's ops into
+  one group per source layer, in order, each cut as above, so the source sends layer l as soon as
+  it has written it while the destination's receives are already posted.
+
+Every decision reads only the plan, so both sides agree on the messages and their order (group
+after group; in a group the runs' first, then the chunks). Measured in benchmarks/RESULTS.md
+(2026-12-06, sessions 33-34; layer by layer: 2026-12-07, session 35).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 
 from splitserve.engine.transfer.layout import KVLayout
 from splitserve.engine.transfer.pack import op_numel, packed_numel
-from splitserve.engine.transfer.plan import BlockRun, TransferOp
+from splitserve.engine.transfer.plan import BlockRun, TransferOp, layer_slice
 
 CHUNK_BYTES = 4 << 20
 """Target size of a pair's chunks on the CPU (gloo). Measured on this 2-core machine
@@ -108,9 +113,7 @@ def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, e
         first = 0
         while first < op.num_layers:
             take = min(op.num_layers - first, max(1, -(-(target - numel) // per_layer)))
-            current.append(op if take == op.num_layers else replace(
-                op, layer_start=op.layer_start + first, num_layers=take,
-                src_layer_start=op.src_layer_start + first, dst_layer_start=op.dst_layer_start + first))
+            current.append(op if take == op.num_layers else layer_slice(op, first, first + take))
             numel += take * per_layer
             first += take
             if numel >= target:
@@ -119,3 +122,21 @@ def pair_chunks(ops: Sequence[TransferOp], layout: KVLayout, chunk_bytes: int, e
     if current:
         chunks.append((offset, numel, tuple(current)))
     return chunks
+
+
+def layer_groups(ops: Sequence[TransferOp], by_layer: bool) -> list[tuple[int, tuple[TransferOp, ...]]]:
+    """A pair's ops in message order, as (source local layer, ops) groups: the source may send a
+    group once it has written that layer. One group of every op (its layer: the last one they
+    read), or, `by_layer`, one group per source local layer in ascending order, each op cut to it."""
+    if not ops:
+        return []
+    ends = [op.src_layer_start + op.num_layers for op in ops]
+    if not by_layer:
+        return [(max(ends) - 1, tuple(ops))]
+    groups = []
+    for layer in range(min(op.src_layer_start for op in ops), max(ends)):
+        cut = tuple(layer_slice(op, layer - op.src_layer_start, layer - op.src_layer_start + 1)
+                    for op, end in zip(ops, ends, strict=True) if op.src_layer_start <= layer < end)
+        if cut:
+            groups.append((layer, cut))
+    return groups

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.engine.transfer.layout import KVLayout
 
@@ -85,6 +85,14 @@ class TransferOp:
     def dst_blocks(self) -> list[int]:
         """Destination block ids in transfer order."""
         return [run.dst_block + i for run in self.block_runs for i in range(run.num_blocks)]
+
+
+def layer_slice(op: TransferOp, start: int, end: int) -> TransferOp:
+    """`op` cut down to its layers [start, end) (relative to `op.layer_start`)."""
+    if not 0 <= start < end <= op.num_layers:
+        raise ValueError(f"layer slice [{start}, {end}) out of range for an op of {op.num_layers} layers")
+    return replace(op, layer_start=op.layer_start + start, num_layers=end - start,
+                   src_layer_start=op.src_layer_start + start, dst_layer_start=op.dst_layer_start + start)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from splitserve.engine.transfer.plan import TransferOp, TransferPlan
+from splitserve.engine.transfer.plan import TransferOp, TransferPlan, layer_slice
 from splitserve.engine.transfer.progress import BoardShape, RowView, layer_unit_checksums
 from splitserve.engine.transfer.transport import (
     KVTransport,
@@ -55,14 +55,6 @@ def board_shape(plan: TransferPlan, src_rank: int) -> BoardShape:
     """The row geometry of a source rank's board (its slot count does not matter to a reader)."""
     lay = plan.src
     return BoardShape(1, lay.num_local_layers(lay.pp_rank(src_rank)), lay.num_local_heads)
-
-
-def layer_slice(op: TransferOp, start: int, end: int) -> TransferOp:
-    """`op` cut down to its layers [start, end) (relative to `op.layer_start`)."""
-    if not 0 <= start < end <= op.num_layers:
-        raise ValueError(f"layer slice [{start}, {end}) out of range for an op of {op.num_layers} layers")
-    return replace(op, layer_start=op.layer_start + start, num_layers=end - start,
-                   src_layer_start=op.src_layer_start + start, dst_layer_start=op.dst_layer_start + start)
 
 
 def streamed_pull(

@@ -12,6 +12,13 @@ instead, cut from the plan by `p2p_messages.py` (layer-cut chunks of the packed 
 block runs read and written in place), so packing, TCP and unpacking overlap and most of the
 staging copies go.
 
+Layer-wise push: given `layer_ready`, `send_plan` sends layer after layer of its source rank, each
+once `layer_ready(layer, seconds_left)` returns (the prefill has written it), while the
+destination, calling `recv_plan(..., by_layer=True)`, has every receive posted already — so the
+transfer runs under the prefill's compute and only the last layer is left when it ends. Both
+sides then cut the same per-layer messages (`p2p_messages.layer_groups`); on CUDA each layer is
+one NCCL group call on both sides.
+
 The caller provides the process group (never a TCPStore listening on all interfaces) and maps
 plan ranks to ranks *of that group* with `peers`. The group's own methods are called, so it may
 be a group that `torch.distributed` does not know (a `pair_group` joining two workers) as well as
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -33,7 +40,7 @@ from splitserve.engine.host_memory import huge_page_empty
 from splitserve.engine.transfer import p2p_messages
 from splitserve.engine.transfer.kv_tensors import check_kv_tensors
 from splitserve.engine.transfer.layout import KVLayout
-from splitserve.engine.transfer.p2p_messages import direct_runs, pair_chunks, run_messages
+from splitserve.engine.transfer.p2p_messages import direct_runs, layer_groups, pair_chunks, run_messages
 from splitserve.engine.transfer.pack import pack_ops, packed_numel, unpack_ops
 from splitserve.engine.transfer.plan import TransferPlan
 from splitserve.engine.transfer.transport import TransferError, TransferStats, TransferTimeout
@@ -116,6 +123,27 @@ def _land(piece: torch.Tensor, what, layout: KVLayout, kv_tensors: Sequence[torc
         unpack_ops(piece, what, layout, kv_tensors)
 
 
+class _Carve:
+    """Consecutive slices of one staging buffer: every staged message of a pair has its own
+    (sends and receives are in flight together). Sized for the whole pair packed, an upper bound;
+    CPU pages never written are never mapped."""
+
+    def __init__(self, buf: torch.Tensor):
+        self.buf, self.used = buf, 0
+
+    def take(self, numel: int) -> torch.Tensor:
+        piece = self.buf[self.used:self.used + numel]
+        self.used += numel
+        return piece
+
+
+def _schedule(plan: TransferPlan, pairs: Sequence[int], ops_of, by_layer: bool):
+    """(source layer, pair index, ops) in sending order: pair after pair, or (`by_layer`) layer after
+    layer, pairs in order within a layer. Each pair sees its own groups in the same order either way."""
+    items = [(layer, i, ops) for i, other in enumerate(pairs) for layer, ops in layer_groups(ops_of(other), by_layer)]
+    return sorted(items, key=lambda item: (item[0], item[1])) if by_layer else items
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -128,8 +156,13 @@ def send_plan(
     peers: Mapping[int, int],
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 30.0,
+    layer_ready: Callable[[int, float], None] | None = None,
 ) -> TransferStats:
-    """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its rank in `group`."""
+    """Send every op of `plan` read from source rank `src_rank`; `peers[dst_rank]` = its rank in `group`.
+
+    `layer_ready(layer, seconds_left)`: a layer-wise push (the destination calls `recv_plan` with
+    `by_layer=True`): it is called before each source local layer's messages and returns once this
+    rank has written that layer, or raises (TransferTimeout when `seconds_left` runs out)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout_s
     check_kv_tensors(kv_tensors, plan.src, src_rank)
@@ -140,25 +173,34 @@ def send_plan(
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
     chunk_bytes = p2p_messages.CHUNK_BYTES if device.type == "cpu" else 0
     direct_bytes = p2p_messages.DIRECT_BYTES if device.type == "cpu" else 0
-    num_bytes, works, p2p = 0, [], []
-    for i, dst_rank in enumerate(dst_ranks):
-        direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
-                                  kv_tensors[0].element_size())
-        def staging(numel, i=i):
-            return _STAGING.get(numel, dtype, device, "send-run", i)
-        for message, region in run_messages(direct, plan.src, kv_tensors, "src", staging):
+    by_layer, eager = layer_ready is not None, device.type == "cpu"  # gloo: each message posted once ready
+    carves = [_Carve(_STAGING.get(packed_numel(plan.ops_for_pair(src_rank, d), plan.src), dtype, device, "send", i))
+              for i, d in enumerate(dst_ranks)]
+    num_bytes, works, p2p, current = 0, [], [], None
+    for layer, i, ops in _schedule(plan, dst_ranks, lambda d: plan.ops_for_pair(src_rank, d), by_layer):
+        peer = peers[dst_ranks[i]]
+        if by_layer and layer != current:
+            if p2p:  # CUDA: the previous layer's one group call
+                works += _post(group, p2p)
+                p2p = []
+            layer_ready(layer, max(0.0, deadline - time.monotonic()))
+            current = layer
+        direct, packed = direct_runs(ops, plan.src, plan.dst, direct_bytes, kv_tensors[0].element_size())
+        sends = []
+        for message, region in run_messages(direct, plan.src, kv_tensors, "src", carves[i].take):
             if region is not None:  # a head slice: gathered here
                 message.view(dtype).view(region.shape).copy_(region)
-            works += _post(group, [(True, message, peers[dst_rank])])
-            num_bytes += message.numel()
-        buf = _STAGING.get(packed_numel(ops, plan.src), dtype, device, "send", i)
-        for offset, numel, chunk_ops in pair_chunks(ops, plan.src, chunk_bytes, buf.element_size()):
-            piece = pack_ops(chunk_ops, plan.src, kv_tensors, out=buf[offset:offset + numel])
-            if chunk_bytes:  # gloo: on its way while the next chunk is packed
-                works += _post(group, [(True, piece.view(torch.uint8), peers[dst_rank])])
-            else:
-                p2p.append((True, piece.view(torch.uint8), peers[dst_rank]))
-        num_bytes += buf.numel() * buf.element_size()
+            sends.append(message)
+            if eager:
+                works += _post(group, [(True, message, peer)])
+        buf = carves[i].take(packed_numel(packed, plan.src))
+        for offset, numel, chunk_ops in pair_chunks(packed, plan.src, chunk_bytes, buf.element_size()):
+            sends.append(pack_ops(chunk_ops, plan.src, kv_tensors, out=buf[offset:offset + numel]).view(torch.uint8))
+            if eager:  # gloo: on its way while the next chunk is packed
+                works += _post(group, [(True, sends[-1], peer)])
+        if not eager:
+            p2p += [(True, m, peer) for m in sends]
+        num_bytes += sum(m.numel() for m in sends)
     if p2p:
         works += _post(group, p2p)
     if works:
@@ -174,8 +216,10 @@ def recv_plan(
     peers: Mapping[int, int],
     group: dist.ProcessGroup | None = None,
     timeout_s: float = 30.0,
+    by_layer: bool = False,
 ) -> TransferStats:
-    """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its rank in `group`."""
+    """Receive every op of `plan` written to destination rank `dst_rank`; `peers[src_rank]` = its rank in `group`.
+    `by_layer`: the sources push layer-wise (`send_plan(..., layer_ready=...)`)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout_s
     check_kv_tensors(kv_tensors, plan.dst, dst_rank)
@@ -186,31 +230,35 @@ def recv_plan(
     device, dtype = kv_tensors[0].device, kv_tensors[0].dtype
     chunk_bytes = p2p_messages.CHUNK_BYTES if device.type == "cpu" else 0
     direct_bytes = p2p_messages.DIRECT_BYTES if device.type == "cpu" else 0
-    num_bytes, pieces, p2p = 0, [], []
-    for i, src_rank in enumerate(src_ranks):
-        direct, ops = direct_runs(plan.ops_for_pair(src_rank, dst_rank), plan.src, plan.dst, direct_bytes,
-                                  kv_tensors[0].element_size())
-        def staging(numel, i=i):
-            return _STAGING.get(numel, dtype, device, "recv-run", i)
-        for message, region in run_messages(direct, plan.dst, kv_tensors, "dst", staging):
+    carves = [_Carve(_STAGING.get(packed_numel(plan.ops_for_pair(s, dst_rank), plan.dst), dtype, device, "recv", i))
+              for i, s in enumerate(src_ranks)]
+    pieces, works, p2p, current = [], [], [], None
+    for layer, i, ops in _schedule(plan, src_ranks, lambda s: plan.ops_for_pair(s, dst_rank), by_layer):
+        peer = peers[src_ranks[i]]
+        if by_layer and layer != current:
+            if p2p and device.type == "cuda":  # a group call per layer, as sent
+                works += _post(group, p2p)
+                p2p = []
+            current = layer
+        direct, packed = direct_runs(ops, plan.src, plan.dst, direct_bytes, kv_tensors[0].element_size())
+        for message, region in run_messages(direct, plan.dst, kv_tensors, "dst", carves[i].take):
             pieces.append((message, region))  # region None: landed in place
-            p2p.append((False, message, peers[src_rank]))
-            num_bytes += message.numel()
-        buf = _STAGING.get(packed_numel(ops, plan.dst), dtype, device, "recv", i)
-        for offset, numel, chunk_ops in pair_chunks(ops, plan.dst, chunk_bytes, buf.element_size()):
+            p2p.append((False, message, peer))
+        buf = carves[i].take(packed_numel(packed, plan.dst))
+        for offset, numel, chunk_ops in pair_chunks(packed, plan.dst, chunk_bytes, buf.element_size()):
             piece = buf[offset:offset + numel]
             pieces.append((piece, chunk_ops))
-            p2p.append((False, piece.view(torch.uint8), peers[src_rank]))
-        num_bytes += buf.numel() * buf.element_size()
+            p2p.append((False, piece.view(torch.uint8), peer))
     if p2p:
-        works = _post(group, p2p)  # every receive posted before any wait: no order between sources to deadlock
-        if chunk_bytes:  # gloo: one work per piece, in posting order; unpack each as it lands
-            for work, (piece, chunk_ops) in zip(works, pieces, strict=True):
-                _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
-                _land(piece, chunk_ops, plan.dst, kv_tensors)
-        else:
-            _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
-            for piece, chunk_ops in pieces:
-                _land(piece, chunk_ops, plan.dst, kv_tensors)
+        works += _post(group, p2p)  # every receive posted before any wait: no order between sources to deadlock
+    num_bytes = sum(piece.numel() * piece.element_size() for piece, _ in pieces)
+    if works and device.type == "cpu":  # gloo: one work per piece, in posting order; unpack each as it lands
+        for work, (piece, chunk_ops) in zip(works, pieces, strict=True):
+            _wait([work], f"source ranks {src_ranks}", timeout_s, device, deadline)
+            _land(piece, chunk_ops, plan.dst, kv_tensors)
+    elif works:
+        _wait(works, f"source ranks {src_ranks}", timeout_s, device, deadline)
+        for piece, chunk_ops in pieces:
+            _land(piece, chunk_ops, plan.dst, kv_tensors)
     _sync(device)
     return TransferStats(num_bytes, time.perf_counter() - start, len(src_ranks))

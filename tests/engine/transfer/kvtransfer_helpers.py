@@ -223,16 +223,71 @@ def gloo_process(cases: list[dict], roles: list[dict], pg_rank: int, world: int,
                 p2p_messages.DIRECT_BYTES = case.get("direct_bytes", default_direct)
                 if side == "src":
                     kv = scatter(logical, src_lay, src_tables, case["pool"])[rank]
-                    stats = send_plan(plan, rank, kv, peers_dst, timeout_s=30)
+                    if case.get("layerwise"):
+                        stats = layerwise_send(plan, rank, kv, peers_dst)
+                    else:
+                        stats = send_plan(plan, rank, kv, peers_dst, timeout_s=30)
                     assert stats.num_bytes == sum(n for (s, _), n in plan.bytes_by_pair().items() if s == rank)
                 else:
                     kv = scatter(torch.full_like(logical, SENTINEL), dst_lay, dst_tables, case["pool"])[rank]
-                    stats = recv_plan(plan, rank, kv, peers_src, timeout_s=30)
+                    stats = recv_plan(plan, rank, kv, peers_src, timeout_s=30, by_layer=case.get("layerwise", False))
                     assert stats.num_bytes == sum(n for (_, d), n in plan.bytes_by_pair().items() if d == rank)
                     check_destination(case, rank, kv)
         finally:
             dist.destroy_process_group()
     _report(results, pg_rank, body)
+
+
+def layerwise_send(plan, rank: int, kv: list[torch.Tensor], peers: dict[int, int]):
+    """`send_plan` as a layer-wise push from a rank still "prefilling": its pool holds SENTINEL,
+    and a thread writes each layer the push reads only once the push asks for it (`layer_ready`),
+    so a layer packed or sent early arrives as SENTINEL. Asserts that each layer's messages were
+    posted before the push asked for the next layer, i.e. while the "prefill" was still going."""
+    import threading
+
+    from splitserve.engine.transfer import torch_dist
+    from splitserve.engine.transfer.p2p_messages import layer_groups
+
+    final = [t.clone() for t in kv]
+    for t in kv:
+        t.fill_(SENTINEL)
+    asked = {layer for d in {op.dst_rank for op in plan.ops_for_src(rank)}
+             for layer, _ in layer_groups(plan.ops_for_pair(rank, d), by_layer=True)}
+    ask = [threading.Event() for _ in kv]
+    written = [threading.Event() for _ in kv]
+    log: list[tuple[str, int]] = []
+
+    def writer() -> None:
+        for layer, t in enumerate(kv):
+            if layer in asked and not ask[layer].wait(30):
+                return
+            t.copy_(final[layer])
+            written[layer].set()
+
+    def ready(layer: int, seconds_left: float) -> None:
+        log.append(("ready", layer))
+        ask[layer].set()
+        assert written[layer].wait(seconds_left), f"layer {layer} never written"
+
+    real_post = torch_dist._post
+
+    def post(group, ops):
+        log.append(("post", len(ops)))
+        return real_post(group, ops)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    torch_dist._post = post
+    try:
+        stats = torch_dist.send_plan(plan, rank, kv, peers, timeout_s=30, layer_ready=ready)
+    finally:
+        torch_dist._post = real_post
+    thread.join(5)
+    readies = [i for i, (what, _) in enumerate(log) if what == "ready"]
+    assert [log[i][1] for i in readies] == sorted(asked), log
+    for i, j in zip(readies, readies[1:] + [len(log)], strict=True):
+        assert any(what == "post" for what, _ in log[i + 1:j]), f"layer {log[i][1]} sent nothing before the next: {log}"
+    return stats
 
 
 def run_processes(targets: list[tuple], timeout_s: float = 90) -> None:

@@ -77,6 +77,34 @@ def test_pair_chunks_are_consecutive_slices_of_the_one_buffer_layout(shapes, per
         assert offset == whole.numel() and torch.equal(pieced, whole)
 
 
+@pytest.mark.parametrize("shapes", [((1, 2), (1, 1)), ((1, 1), (2, 2)), ((2, 1), (1, 2))])
+def test_layer_groups_cut_a_pair_into_its_source_layers_in_order(shapes):
+    """torch_dist's layer-wise push: one group per source local layer, ascending, each op cut to that
+    layer; the groups hold every (layer, head, block) of the pair exactly once. Without `by_layer`:
+    one group of every op, at the last layer they read."""
+    from splitserve.engine.transfer.p2p_messages import layer_groups
+
+    src, dst = layout(*shapes[0], 4, num_layers=5), layout(*shapes[1], 4, num_layers=5)
+    n, pool = 4, 8
+    plan = build_plan(src, dst, block_tables(src, n, pool, 1), block_tables(dst, n, pool, 2))
+    for (s, d) in plan.bytes_by_pair():
+        ops = plan.ops_for_pair(s, d)
+        cells = {(op.layer_start + i, op.src_head_start + h, b) for op in ops for i in range(op.num_layers)
+                 for h in range(op.num_heads) for b in op.src_blocks()}
+        [(last, every)] = layer_groups(ops, by_layer=False)
+        assert every == ops and last == max(op.src_layer_start + op.num_layers for op in ops) - 1
+        groups = layer_groups(ops, by_layer=True)
+        layers = [layer for layer, _ in groups]
+        assert layers == sorted(set(layers)) and len(groups) == len({op.layer_start + i for op in ops
+                                                                      for i in range(op.num_layers)})
+        got = []
+        for layer, cut in groups:
+            assert all(op.num_layers == 1 and op.src_layer_start == layer for op in cut)
+            got += [(op.layer_start, op.src_head_start + h, b) for op in cut for h in range(op.num_heads)
+                    for b in op.src_blocks()]
+        assert sorted(got) == sorted(cells) and len(got) == len(cells)
+
+
 def test_direct_runs_are_the_long_runs_of_ops_holding_every_head_on_a_side():
     """torch_dist's per-run messages: only runs whose one-layer K reaches `direct_bytes` (here in
     bytes of a layer's K of the op's heads), of ops holding every local head of at least one side;

@@ -13,8 +13,9 @@ import torch
 from kvtransfer_helpers import SENTINEL, handoff_case, run_processes, scatter
 from streaming_helpers import LayerwiseSource, destination_process, source_process, stream_into_destination
 
+from splitserve.engine.transfer.plan import layer_slice
 from splitserve.engine.transfer.progress import BoardShape, ProgressBoard, RowView, request_tag
-from splitserve.engine.transfer.streaming import UnitChecksumError, layer_slice, streamed_pull
+from splitserve.engine.transfer.streaming import UnitChecksumError, streamed_pull
 from splitserve.engine.transfer.transport import TransferTimeout
 
 HAS_NIXL = importlib.util.find_spec("nixl_cu13") is not None

@@ -33,6 +33,17 @@ CASES = [
     (dict(src=dict(tp=1, pp=1, kv_heads=4), dst=dict(tp=2, pp=1, kv_heads=4), num_blocks=4, pool=6, seed=5,
           first_block=1, direct_bytes=1),
      {0: ("dst", 1), 1: ("src", 0), 2: ("dst", 0)}),
+    # Layer-wise pushes: the sources write each layer only once the push asks for it (kvtransfer_helpers.
+    # layerwise_send). pp 2 -> 1 with GQA heads in per-layer chunks, two sources to one destination:
+    (dict(src=dict(tp=1, pp=2, kv_heads=2), dst=dict(tp=1, pp=1, kv_heads=2), num_blocks=3, pool=8, seed=6,
+          first_block=1, chunk_bytes=3000, layerwise=True),
+     {0: ("dst", 0), 1: ("src", 0), 2: ("src", 1)}),
+    # tp 1 -> 2 reshard, runs as messages (staged head slices) and packed 1-block runs, one source to two
+    # destinations, layer after layer over both pairs:
+    (dict(src=dict(tp=1, pp=1, kv_heads=4), dst=dict(tp=2, pp=1, kv_heads=4), num_blocks=6, pool=8, seed=7,
+          first_block=0, src_tables={0: [0, 1, 2, 3, 4, 5]}, dst_tables={0: [4, 5, 6, 0, 2, 1], 1: [1, 2, 3, 7, 5, 0]},
+          chunk_bytes=1, direct_bytes=2 * 64, layerwise=True),
+     {0: ("dst", 1), 1: ("src", 0), 2: ("dst", 0)}),
 ]
 
 
