@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -243,7 +245,28 @@ def _group_on_cuda(spec: WorkerSpec) -> bool:
     return group_on_cuda(device, spec.tensor_parallel_size, spec.pipeline_parallel_size)
 
 
-def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory) -> None:
+def _follow_rank_zero(rank_zero_pid: int, poll_s: float = 1.0) -> None:
+    """A non-zero rank lives and dies with rank 0. SIGTERM and SIGINT — a supervisor signalling
+    the worker's process group (`splitserve up`, a pod's shell), Ctrl-C in a terminal — are rank
+    0's to handle: it drains, and its drain needs every rank (each command and step is a
+    collective), then stops them with a "stop" command. So they are ignored here; should rank 0
+    die without that, a watchdog thread ends this rank, which would otherwise wait in its next
+    collective. (Not PR_SET_PDEATHSIG: it follows the thread that started the rank, and rank 0
+    starts its ranks from a worker thread of its event loop.)"""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def watch() -> None:
+        while os.getppid() == rank_zero_pid:
+            time.sleep(poll_s)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="rank-zero-watchdog", daemon=True).start()
+
+
+def _other_rank_main(rank: int, world: int, init_method: str, spec: WorkerSpec, hooks_factory: HooksFactory,
+                     rank_zero_pid: int) -> None:
+    _follow_rank_zero(rank_zero_pid)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("UCX_NET_DEVICES", "lo")
     torch.set_num_threads(1)
@@ -279,7 +302,8 @@ class WorkerGroup:
             ctx = mp.get_context("spawn")
             for rank in range(1, world):
                 p = ctx.Process(
-                    target=_other_rank_main, args=(rank, world, init_method, spec, hooks_factory), daemon=True
+                    target=_other_rank_main, args=(rank, world, init_method, spec, hooks_factory, os.getpid()),
+                    daemon=True,
                 )
                 p.start()
                 self._procs.append(p)

@@ -136,6 +136,12 @@ class ChildProcess:
                 pass
         _signal_group(pgid, signal.SIGKILL)  # the leader's stragglers (rank processes), or the leader itself
         code = await self.wait()
+        # A killed straggler whose parent (the leader) is gone exists until its new parent reaps it;
+        # give that a moment so `is_group_alive` reports real orphans, not a reaping in progress.
+        for _ in range(40):
+            if not self.is_group_alive():
+                break
+            await asyncio.sleep(0.05)
         return code
 
     async def restart(self) -> None:

@@ -38,3 +38,25 @@ async def test_no_restarts_returns_the_first_exit(tmp_path):
     said: list[str] = []
     assert await asyncio.wait_for(supervise(OneChildCluster(child), said.append, max_restarts=0), 30) is child
     assert said == []
+
+
+async def test_stop_leaves_no_process_of_the_group_behind(tmp_path):
+    """A child that spawned a process ignoring SIGTERM (as a worker's tensor-parallel ranks do):
+    `stop` SIGTERMs the group, the leader exits, the straggler is SIGKILLed, and once `stop`
+    returns the group is gone — the straggler reaped by its new parent, not reported as an orphan."""
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "print(\"rank\", flush=True); time.sleep(60)'])\n"
+        "time.sleep(60)\n"
+    )
+    child = ChildProcess("group", [sys.executable, "-c", script], tmp_path / "group.log")
+    await child.start()
+    log = tmp_path / "group.log"
+    for _ in range(200):
+        if log.exists() and "rank" in log.read_text():
+            break
+        await asyncio.sleep(0.05)
+    assert child.is_group_alive()
+    await asyncio.wait_for(child.stop(grace_s=5.0), 30)
+    assert not child.is_group_alive()
