@@ -1,7 +1,8 @@
 """Engine-side lifecycle for reinforcement-learning loops (the control plane
 drives it; see control_plane/lifecycle.py for the states):
 
-    suspend(engine)          free the KV memory, keep the process and the weights
+    suspend(engine)          free the KV memory (and a hybrid model's recurrent-state memory),
+                             keep the process and the weights
     resume(engine)           reallocate it (zeroed); the tensors keep their shapes
     reload_weights(engine, path)   load a new checkpoint of the same architecture
 
@@ -33,8 +34,10 @@ def suspend(engine) -> None:
         engine.release_handoff(request_id)
     engine.scheduler.preempt_all()
     engine.pool.reset_prefix_cache()
-    if getattr(engine.runner, "states", None) is not None:  # hybrid: cached states go with the cached KV
-        engine.runner.states.reset_prefix_cache()
+    states = getattr(engine.runner, "states", None)
+    if states is not None:  # hybrid: cached states go with the cached KV, and their memory with the KV's
+        states.reset_prefix_cache()
+        states.pool.free_memory()
     if engine.runner.graphs is not None:
         engine.runner.graphs.reset()
     for kv in engine.kv_caches:
@@ -50,6 +53,8 @@ def resume(engine) -> None:
         # A CPU pool may be a view into a huge-page-aligned allocation (engine/host_memory.py).
         kv.untyped_storage().resize_((kv.storage_offset() + kv.numel()) * kv.element_size())
         kv.zero_()
+    if getattr(engine.runner, "states", None) is not None:
+        engine.runner.states.pool.restore_memory()
     forget_pools()  # the same tensor objects, new memory: no remembered pool pair may stand for them
     engine.is_suspended = False
 

@@ -110,3 +110,27 @@ def test_corrupted_state_is_caught_and_nothing_is_kept(hybrid_ckpt):
     assert prefill.release_handoff("r")
     prefill.check_integrity()
     decode.check_integrity()
+
+
+def test_state_handoff_after_both_sides_suspended_and_resumed(hybrid_ckpt):
+    """Suspend frees both engines' state memory (engine/lifecycle.py); after resume the state is
+    exposed again from the new memory and a handoff still decodes as the aggregated engine."""
+    from splitserve.engine import lifecycle
+
+    prefill = LLM(hybrid_ckpt, role="prefill", **OPTIONS).engine
+    decode = LLM(hybrid_ckpt, role="decode", **OPTIONS).engine
+    transport = InProcTransport()
+    prompt = list(range(40, 57))
+    desc = _handoff(prefill, transport, "pinned", prompt)  # a pin that the suspend drops
+    for engine in (prefill, decode):
+        lifecycle.suspend(engine)
+        assert all(t.untyped_storage().nbytes() == 0 for t in engine.runner.states.pool.tensors())
+        lifecycle.resume(engine)
+    assert "pinned" not in prefill.handoffs and prefill.runner.states.pool.slot_of("pinned") is None
+    desc = _handoff(prefill, transport, "r", prompt)
+    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None, make_importer(decode, transport, desc))
+    expected = LLM(hybrid_ckpt, **OPTIONS).generate([prompt], PARAMS)[0]
+    assert _decode_all(decode).generated_tokens == expected.generated_tokens
+    assert prefill.release_handoff("r")
+    prefill.check_integrity()
+    decode.check_integrity()
