@@ -51,7 +51,11 @@ def free_port(host: str = "127.0.0.1", tries: int = 64) -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
+    """Could a server bind `host:port` now? Asked as our servers bind (uvicorn, gRPC, etcd and
+    http.server all set SO_REUSEADDR), so the TIME_WAIT connections a stopped server leaves for
+    a minute do not count as the port being in use; a listening socket does."""
     with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

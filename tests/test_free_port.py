@@ -16,6 +16,7 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_bindable():
     assert len(ports) > 1  # drawn at random, not one fixed port
     for port in ports:
         with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as our servers bind
             sock.bind(("127.0.0.1", port))
 
 
@@ -34,3 +35,28 @@ def test_without_a_known_range_the_kernel_picks(monkeypatch, tmp_path):
     port = readiness.free_port()
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", port))
+
+
+def test_a_stopped_servers_time_wait_connections_leave_its_port_free():
+    """`splitserve up` checks its --port before starting: run again right after a stop, the
+    closed server's connections sit in TIME_WAIT for a minute, which servers binding with
+    SO_REUSEADDR (all of ours) ignore, so the check must too; a listener still counts."""
+    server = socket.socket()
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    assert not readiness.port_is_free("127.0.0.1", port)
+    client = socket.create_connection(("127.0.0.1", port))
+    conn, _ = server.accept()
+    conn.close()  # the server side closes first: its end goes to TIME_WAIT
+    client.close()
+    server.close()
+    with socket.socket() as plain:  # the connection holds the port against a bind without the option
+        try:
+            plain.bind(("127.0.0.1", port))
+            held = False
+        except OSError:
+            held = True
+    assert held
+    assert readiness.port_is_free("127.0.0.1", port)
