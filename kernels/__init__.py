@@ -26,6 +26,8 @@ __all__ = [
     "add_residual",
     "adjust_logit_rows",
     "argmax_rows",
+    "causal_conv1d",
+    "causal_conv1d_update",
     "RowNorm",
     "decode_linear",
     "decode_linear_add",
@@ -64,6 +66,8 @@ _LAZY = {
     "adjust_logit_rows": "logit_adjust",
     "row_logprobs": "logprobs",
     "argmax_rows": "argmax",
+    "causal_conv1d": "conv1d",
+    "causal_conv1d_update": "conv1d",
     "kv_block_checksums": "kv_checksum",
     "RowNorm": "linear",
     "decode_linear": "linear",
@@ -80,6 +84,7 @@ _LAZY = {
 if TYPE_CHECKING:  # pragma: no cover
     from .activation import silu_and_mul
     from .argmax import argmax_rows
+    from .conv1d import causal_conv1d, causal_conv1d_update
     from .decode_plan import DecodePlan, DecodeWorkspace, plan_decode
     from .kv_checksum import kv_block_checksums
     from .kv_write import write_kv

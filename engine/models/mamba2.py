@@ -161,7 +161,7 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         if meta.decode_token_idx.numel():
             idx, slots = meta.decode_token_idx, meta.decode_slots
-            conv_out = ref.causal_conv1d_update_reference(xbc[idx], state.conv, weight, self.conv1d.bias, slots)
+            conv_out = _conv_update(meta.backend)(xbc[idx], state.conv, weight, self.conv1d.bias, slots)
             xs, b, c = self._split_xbc(conv_out)
             y[idx] = _state_update(meta.backend)(
                 state.ssm, xs, dt[idx], A, b, c, self.D, self.dt_bias, slots, self.dt_min
@@ -176,11 +176,11 @@ class Mamba2Mixer(nn.Module):
         conv_state, ssm_state = state.conv[seq.slot], state.ssm[seq.slot].float()
         saves = dict(seq.saves)
         cuts = sorted({0, seq.q_len, *(k for k in saves if 0 < k < seq.q_len)})
-        scan = _chunk_scan(backend)
+        scan, conv = _chunk_scan(backend), _conv(backend)
         outs = []
         for lo, hi in zip(cuts, cuts[1:], strict=False):
             sl = slice(seq.q_start + lo, seq.q_start + hi)
-            conv_out, conv_state = ref.causal_conv1d_reference(xbc[sl], weight, self.conv1d.bias, conv_state)
+            conv_out, conv_state = conv(xbc[sl], weight, self.conv1d.bias, conv_state)
             xs, b, c = self._split_xbc(conv_out)
             out, ssm_state = scan(xs, dt[sl], A, b, c, self.D, self.dt_bias, self.chunk_size, ssm_state, self.dt_min)
             outs.append(out)
@@ -206,3 +206,19 @@ def _chunk_scan(backend: str):
 
         return kernels.ssd_chunk_scan
     return ref.ssd_chunk_scan_reference
+
+
+def _conv_update(backend: str):
+    if backend in TRITON_KERNEL_BACKENDS:
+        from splitserve import kernels
+
+        return kernels.causal_conv1d_update
+    return ref.causal_conv1d_update_reference
+
+
+def _conv(backend: str):
+    if backend in TRITON_KERNEL_BACKENDS:
+        from splitserve import kernels
+
+        return kernels.causal_conv1d
+    return ref.causal_conv1d_reference

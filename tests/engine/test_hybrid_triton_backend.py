@@ -1,5 +1,6 @@
 """The hybrid engine on the Triton path (paged attention kernels plus the Mamba2
-`selective_state_update` / `ssd_chunk_scan` kernels) gives the torch path's tokens.
+`selective_state_update` / `ssd_chunk_scan` / `causal_conv1d[_update]` kernels) gives the torch
+path's tokens.
 On CPU the kernels run in Triton's interpreter, which must be on before they are
 defined, so the check runs in a fresh interpreter process."""
 
@@ -43,3 +44,22 @@ def test_hybrid_triton_path_matches_torch(tmp_path):
     for (t_tokens, t_lp), (k_tokens, k_lp) in zip(out["torch"], out["triton"], strict=True):
         assert k_tokens == t_tokens
         assert max(abs(a - b) for a, b in zip(t_lp, k_lp, strict=True)) < 1e-4
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a GPU")
+def test_hybrid_triton_path_matches_torch_on_the_gpu(tmp_path):
+    """The same check with the kernels compiled for the GPU (fp32)."""
+    from splitserve import LLM, SamplingParams
+
+    build_hybrid_checkpoint(tmp_path)
+    prompts = [[5, 9, 22, 7, 1, 3, 8, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51], [8, 3], list(range(60, 81))]
+    params = SamplingParams(num_tokens_to_generate=6, temperature=0.0, ignore_eos=True, return_log_probs=True)
+    out = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(tmp_path), device="cuda", dtype="float32", attention_backend=backend, block_size_tokens=4,
+                  num_blocks=64, max_tokens=16)
+        out[backend] = llm.generate(prompts, params)
+        llm.engine.check_integrity()
+    for t, k in zip(out["torch"], out["triton"], strict=True):
+        assert k.generated_tokens == t.generated_tokens
+        assert max(abs(a - b) for a, b in zip(t.generated_log_probs, k.generated_log_probs, strict=True)) < 1e-3

@@ -34,6 +34,7 @@ KERNEL_MODULES = (  # helpers first: kernels call their @triton.jit functions
     "splitserve.kernels.kv_checksum",
     "splitserve.kernels.sampling",
     "splitserve.kernels.ssm_state_update",
+    "splitserve.kernels.conv1d",
     "splitserve.kernels.ssd_scan",
 )
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -98,3 +98,52 @@ def test_ssd_chunk_scan_kernel_matches_reference(device, dtype, length, chunk, h
     assert got_y.dtype == dtype and got_state.dtype == torch.float32
     torch.testing.assert_close(got_y.float(), want_y.float(), **TOL[dtype])
     torch.testing.assert_close(got_state, want_state, **TOL[dtype])
+
+
+def _conv_case(channels, taps, dtype, device, has_bias, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(channels, taps, generator=g).to(dtype).to(device)
+    bias = torch.randn(channels, generator=g).to(dtype).to(device) if has_bias else None
+    return weight, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("channels, taps, has_bias", [(48, 4, True), (200, 4, False), (9, 2, True), (33, 3, True)])
+def test_conv_update_kernel_matches_reference(device, dtype, channels, taps, has_bias):
+    """Decode: one input per sequence at its slot (slots out of order, one slot untouched), fp32
+    state beside fp16 inputs, channel counts across and below one block."""
+    from splitserve.kernels import causal_conv1d_update
+
+    weight, bias = _conv_case(channels, taps, dtype, device, has_bias, seed=channels)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, channels, generator=g).to(dtype).to(device)
+    pool = torch.randn(4, channels, taps - 1, generator=g).to(device)
+    slots = torch.tensor([3, 0, 2], device=device)
+    want_pool = pool.clone()
+    want = ref.causal_conv1d_update_reference(x, want_pool, weight, bias, slots)
+    got = causal_conv1d_update(x, pool, weight, bias, slots)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+    torch.testing.assert_close(pool, want_pool, **TOL[torch.float32])
+    assert torch.equal(pool[1], want_pool[1])  # no sequence there
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("length, channels, taps", [(1, 40, 4), (2, 40, 4), (3, 130, 4), (37, 40, 4), (21, 17, 2)])
+def test_conv_prefill_kernel_matches_reference(device, dtype, length, channels, taps):
+    """Prefill: prompts shorter than the state (the new state keeps old columns), one block of
+    tokens and several, a strided input (a slice of the projection's output, as the model passes)."""
+    from splitserve.kernels import causal_conv1d
+
+    weight, bias = _conv_case(channels, taps, dtype, device, True, seed=length)
+    g = torch.Generator().manual_seed(2)
+    wide = torch.randn(length, channels + 11, generator=g).to(dtype).to(device)
+    x = wide[:, 5:5 + channels]
+    state = torch.randn(channels, taps - 1, generator=g).to(device)
+    before = state.clone()
+    want_y, want_state = ref.causal_conv1d_reference(x, weight, bias, state)
+    got_y, got_state = causal_conv1d(x, weight, bias, state)
+    assert got_y.dtype == dtype and got_state.dtype == state.dtype
+    torch.testing.assert_close(got_y.float(), want_y.float(), **TOL[dtype])
+    torch.testing.assert_close(got_state, want_state, **TOL[dtype])
+    assert torch.equal(state, before)  # only read
