@@ -161,9 +161,9 @@ class Mamba2Mixer(nn.Module):
         y = torch.empty(t, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         if meta.decode_token_idx.numel():
             idx, slots = meta.decode_token_idx, meta.decode_slots
-            conv_out = _conv_update(meta.backend)(xbc[idx], state.conv, weight, self.conv1d.bias, slots)
+            conv_out = _op(meta.backend, "causal_conv1d_update")(xbc[idx], state.conv, weight, self.conv1d.bias, slots)
             xs, b, c = self._split_xbc(conv_out)
-            y[idx] = _state_update(meta.backend)(
+            y[idx] = _op(meta.backend, "selective_state_update")(
                 state.ssm, xs, dt[idx], A, b, c, self.D, self.dt_bias, slots, self.dt_min
             )
         for seq in meta.prefills:
@@ -176,7 +176,7 @@ class Mamba2Mixer(nn.Module):
         conv_state, ssm_state = state.conv[seq.slot], state.ssm[seq.slot].float()
         saves = dict(seq.saves)
         cuts = sorted({0, seq.q_len, *(k for k in saves if 0 < k < seq.q_len)})
-        scan, conv = _chunk_scan(backend), _conv(backend)
+        scan, conv = _op(backend, "ssd_chunk_scan"), _op(backend, "causal_conv1d")
         outs = []
         for lo, hi in zip(cuts, cuts[1:], strict=False):
             sl = slice(seq.q_start + lo, seq.q_start + hi)
@@ -192,33 +192,11 @@ class Mamba2Mixer(nn.Module):
         return torch.cat(outs)
 
 
-def _state_update(backend: str):
+def _op(backend: str, name: str):
+    """Op `name` (a kernel of `splitserve.kernels`, whose torch reference is `name` + "_reference" in
+    kernels/ssm_reference.py): the Triton kernel on the Triton backends, else the reference."""
     if backend in TRITON_KERNEL_BACKENDS:
         from splitserve import kernels
 
-        return kernels.selective_state_update
-    return ref.selective_state_update_reference
-
-
-def _chunk_scan(backend: str):
-    if backend in TRITON_KERNEL_BACKENDS:
-        from splitserve import kernels
-
-        return kernels.ssd_chunk_scan
-    return ref.ssd_chunk_scan_reference
-
-
-def _conv_update(backend: str):
-    if backend in TRITON_KERNEL_BACKENDS:
-        from splitserve import kernels
-
-        return kernels.causal_conv1d_update
-    return ref.causal_conv1d_update_reference
-
-
-def _conv(backend: str):
-    if backend in TRITON_KERNEL_BACKENDS:
-        from splitserve import kernels
-
-        return kernels.causal_conv1d
-    return ref.causal_conv1d_reference
+        return getattr(kernels, name)
+    return getattr(ref, f"{name}_reference")

@@ -44,6 +44,17 @@ def _handoff(prefill, transport, rid, prompt):
     return dataclasses.replace(desc, state=state)
 
 
+def _import_matches_aggregated(ckpt, prefill, decode, transport, desc, prompt) -> None:
+    """Import `desc` (request "r") on `decode`, decode it to the end: the aggregated engine's tokens;
+    then release the pin, and both pools are whole."""
+    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None, make_importer(decode, transport, desc))
+    expected = LLM(ckpt, **OPTIONS).generate([prompt], PARAMS)[0]
+    assert _decode_all(decode).generated_tokens == expected.generated_tokens
+    assert prefill.release_handoff("r")
+    prefill.check_integrity()
+    decode.check_integrity()
+
+
 def _decode_all(engine):
     final = None
     while engine.has_unfinished():
@@ -104,12 +115,7 @@ def test_corrupted_state_is_caught_and_nothing_is_kept(hybrid_ckpt):
         no_state = dataclasses.replace(desc, state=None)
         decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None,
                                     make_importer(decode, transport, no_state))
-    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None, make_importer(decode, transport, desc))
-    expected = LLM(hybrid_ckpt, **OPTIONS).generate([prompt], PARAMS)[0]
-    assert _decode_all(decode).generated_tokens == expected.generated_tokens
-    assert prefill.release_handoff("r")
-    prefill.check_integrity()
-    decode.check_integrity()
+    _import_matches_aggregated(hybrid_ckpt, prefill, decode, transport, desc, prompt)
 
 
 def test_state_handoff_after_both_sides_suspended_and_resumed(hybrid_ckpt):
@@ -121,16 +127,11 @@ def test_state_handoff_after_both_sides_suspended_and_resumed(hybrid_ckpt):
     decode = LLM(hybrid_ckpt, role="decode", **OPTIONS).engine
     transport = InProcTransport()
     prompt = list(range(40, 57))
-    desc = _handoff(prefill, transport, "pinned", prompt)  # a pin that the suspend drops
+    _handoff(prefill, transport, "pinned", prompt)  # a pin that the suspend drops
     for engine in (prefill, decode):
         lifecycle.suspend(engine)
         assert all(t.untyped_storage().nbytes() == 0 for t in engine.runner.states.pool.tensors())
         lifecycle.resume(engine)
     assert "pinned" not in prefill.handoffs and prefill.runner.states.pool.slot_of("pinned") is None
     desc = _handoff(prefill, transport, "r", prompt)
-    decode.add_imported_request("r", prompt, PARAMS, desc.first_token_id, None, make_importer(decode, transport, desc))
-    expected = LLM(hybrid_ckpt, **OPTIONS).generate([prompt], PARAMS)[0]
-    assert _decode_all(decode).generated_tokens == expected.generated_tokens
-    assert prefill.release_handoff("r")
-    prefill.check_integrity()
-    decode.check_integrity()
+    _import_matches_aggregated(hybrid_ckpt, prefill, decode, transport, desc, prompt)
