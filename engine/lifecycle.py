@@ -34,14 +34,12 @@ def suspend(engine) -> None:
         engine.release_handoff(request_id)
     engine.scheduler.preempt_all()
     engine.pool.reset_prefix_cache()
-    states = getattr(engine.runner, "states", None)
-    if states is not None:  # hybrid: cached states go with the cached KV, and their memory with the KV's
-        states.reset_prefix_cache()
-        states.pool.free_memory()
+    if getattr(engine.runner, "states", None) is not None:  # hybrid: cached states go with the cached KV
+        engine.runner.states.reset_prefix_cache()
     if engine.runner.graphs is not None:
         engine.runner.graphs.reset()
-    for kv in engine.kv_caches:
-        kv.untyped_storage().resize_(0)
+    for t in _memory(engine):
+        t.untyped_storage().resize_(0)
     forget_pools()  # copy graphs baked in the freed addresses
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -49,14 +47,19 @@ def suspend(engine) -> None:
 
 
 def resume(engine) -> None:
-    for kv in engine.kv_caches:
+    for t in _memory(engine):
         # A CPU pool may be a view into a huge-page-aligned allocation (engine/host_memory.py).
-        kv.untyped_storage().resize_((kv.storage_offset() + kv.numel()) * kv.element_size())
-        kv.zero_()
-    if getattr(engine.runner, "states", None) is not None:
-        engine.runner.states.pool.restore_memory()
+        t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
+        t.zero_()
     forget_pools()  # the same tensor objects, new memory: no remembered pool pair may stand for them
     engine.is_suspended = False
+
+
+def _memory(engine) -> list[torch.Tensor]:
+    """What suspend frees: the KV pools, and a hybrid model's recurrent states (slots and prefix
+    cache; a request that held a slot restarts from token 0, which zeroes it)."""
+    states = getattr(engine.runner, "states", None)
+    return [*engine.kv_caches, *(states.pool.tensors() if states is not None else ())]
 
 
 _SHAPE_FIELDS = ("family", "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

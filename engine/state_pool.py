@@ -153,21 +153,9 @@ class StatePool:
 
     # -------------------------------------------------------------- lifecycle
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor of the pool: per layer the slots' conv and ssm states and the prefix cache's."""
+        """Every tensor of the pool: per layer the slots' conv and ssm states and the prefix cache's
+        (a lifecycle suspend frees their memory with the KV's: engine/lifecycle.py)."""
         return [t for layer in self.layers for t in (layer.conv, layer.ssm, layer.prefix_conv, layer.prefix_ssm)]
-
-    def free_memory(self) -> None:
-        """Lifecycle suspend: give the memory back, keep the tensors (shapes, slots). No state
-        may be read until `restore_memory`; a request that held a slot restarts from token 0
-        (suspend preempts every request), which zeroes its slot anyway."""
-        for t in self.tensors():
-            t.untyped_storage().resize_(0)
-
-    def restore_memory(self) -> None:
-        """Lifecycle resume: fresh, zeroed memory under the same tensors."""
-        for t in self.tensors():
-            t.untyped_storage().resize_((t.storage_offset() + t.numel()) * t.element_size())
-            t.zero_()
 
     # ------------------------------------------------------------- inspection
     def check_integrity(self, owners: set[str]) -> None:

@@ -137,7 +137,7 @@ class _Carve:
         return piece
 
 
-def _schedule(plan: TransferPlan, pairs: Sequence[int], ops_of, by_layer: bool):
+def _schedule(pairs: Sequence[int], ops_of, by_layer: bool):
     """(source layer, pair index, ops) in sending order: pair after pair, or (`by_layer`) layer after
     layer, pairs in order within a layer. Each pair sees its own groups in the same order either way."""
     items = [(layer, i, ops) for i, other in enumerate(pairs) for layer, ops in layer_groups(ops_of(other), by_layer)]
@@ -177,7 +177,7 @@ def send_plan(
     carves = [_Carve(_STAGING.get(packed_numel(plan.ops_for_pair(src_rank, d), plan.src), dtype, device, "send", i))
               for i, d in enumerate(dst_ranks)]
     num_bytes, works, p2p, current = 0, [], [], None
-    for layer, i, ops in _schedule(plan, dst_ranks, lambda d: plan.ops_for_pair(src_rank, d), by_layer):
+    for layer, i, ops in _schedule(dst_ranks, lambda d: plan.ops_for_pair(src_rank, d), by_layer):
         peer = peers[dst_ranks[i]]
         if by_layer and layer != current:
             if p2p:  # CUDA: the previous layer's one group call
@@ -233,7 +233,7 @@ def recv_plan(
     carves = [_Carve(_STAGING.get(packed_numel(plan.ops_for_pair(s, dst_rank), plan.dst), dtype, device, "recv", i))
               for i, s in enumerate(src_ranks)]
     pieces, works, p2p, current = [], [], [], None
-    for layer, i, ops in _schedule(plan, src_ranks, lambda s: plan.ops_for_pair(s, dst_rank), by_layer):
+    for layer, i, ops in _schedule(src_ranks, lambda s: plan.ops_for_pair(s, dst_rank), by_layer):
         peer = peers[src_ranks[i]]
         if by_layer and layer != current:
             if p2p and device.type == "cuda":  # a group call per layer, as sent
