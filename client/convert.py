@@ -41,7 +41,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_words=list(params.stop_words), return_log_probs=params.return_log_probs,
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
+        frequency_penalty=params.frequency_penalty, return_prompt_log_probs=params.return_prompt_log_probs,
     )  # fmt: skip
     if params.seed is not None:
         message.seed = params.seed
@@ -99,6 +99,7 @@ class ResultBuilder:
         self._token_ids: list[int] = []
         self._logprobs: list[float] = []
         self._top: list[dict[int, float]] = []
+        self._prompt: tuple[tuple[float, ...], tuple[dict[int, float], ...]] | None = None
         self.is_resumed = False
         """Messages now come from a resumed request (client/resume.py): its usage counts the
         received tokens as prompt; the result counts them as generated."""
@@ -117,8 +118,14 @@ class ResultBuilder:
         self._token_ids += message.token_ids
         self._logprobs += message.logprobs
         self._top += top
+        prompt = None
+        if message.HasField("prompt_logprobs"):
+            m = message.prompt_logprobs
+            prompt = self._prompt = (tuple(m.logprobs),
+                                     tuple({t.token_id: t.logprob for t in pos.top_logprobs} for pos in m.top_logprobs))
         result = self._result(message) if message.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED else None
-        return StreamChunk(self.request_id, tuple(message.token_ids), text, tuple(message.logprobs), top, result)
+        return StreamChunk(self.request_id, tuple(message.token_ids), text, tuple(message.logprobs), top,
+                           prompt[0] if prompt else None, prompt[1] if prompt else (), result)  # fmt: skip
 
     def _result(self, message: router_pb2.GenerateChunk) -> GenerateResult:
         if self.is_resumed:
@@ -147,5 +154,6 @@ class ResultBuilder:
             request_id=self.request_id, prompt_tokens=self._prompt_ids, generated_tokens=tuple(self._token_ids),
             generated_text=text, finish_reason=_FINISH[message.finish_reason], usage=usage,
             generated_log_probs=tuple(self._logprobs), top_n_logprobs=tuple(self._top), routing=routing,
-            timing=timing, ttft=self._ttft,
+            timing=timing, ttft=self._ttft, prompt_log_probs=self._prompt[0] if self._prompt else None,
+            prompt_top_logprobs=self._prompt[1] if self._prompt and self._prompt[1] else None,
         )  # fmt: skip

@@ -37,7 +37,8 @@ def next_try(
     if remaining < 1:  # every token came, only the finish was lost: asking for none is refused
         return None
     resumed = dataclasses.replace(params, num_tokens_to_generate=remaining,
-                                  output_offset=params.output_offset + len(received))
+                                  output_offset=params.output_offset + len(received),
+                                  return_prompt_log_probs=False)  # they came with the first token
     request_id = f"{original.request_id}.resume{attempt}"
     log.info("%s: the router's stream broke after %d tokens (%s); resuming as %s", original.request_id, len(received),
              code.name, request_id)

@@ -46,6 +46,10 @@ class SamplingParams:
     """Return the log-prob of every generated token."""
     top_n_logprobs: int = 0
     """Also return the N most likely alternatives per generated token (at most 20)."""
+    return_prompt_log_probs: bool = False
+    """Also return the prompt tokens' log-probs (after the first; with top_n_logprobs alternatives
+    each), as scoring harnesses ask (OpenAI's `echo` with `logprobs`). Needs return_log_probs.
+    The worker computing the prompt then skips its prefix cache: every position's logits are needed."""
     add_BOS: bool = True  # noqa: N815 - the reference design's field name
     """Prepend the tokenizer's BOS token to text prompts."""
     output_offset: int = 0
@@ -81,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"output_offset must be an integer >= 0, got {self.output_offset!r}")
         if not _is_int(self.top_n_logprobs) or not 0 <= self.top_n_logprobs <= 20:
             raise ValueError(f"top_n_logprobs must be an integer in [0, 20], got {self.top_n_logprobs!r}")
+        if self.return_prompt_log_probs and not self.return_log_probs:
+            raise ValueError("return_prompt_log_probs needs return_log_probs=True, got return_log_probs=False")
         for word in self.stop_words:
             if not isinstance(word, str) or not word:
                 raise ValueError(f"stop_words must be non-empty strings, got {word!r}")
@@ -102,13 +108,17 @@ class SamplingParams:
                        if getattr(params, name, default) != default}
         if unsupported:
             raise ValueError(f"the router's API cannot carry {unsupported} (engine-only SamplingParams options)")
-        return cls(**{name: getattr(params, name) for name in cls.__dataclass_fields__})
+        fields = {name: getattr(params, name) for name in cls.__dataclass_fields__ if name not in _SDK_ONLY}
+        return cls(**fields)
 
 
 _ENGINE_ONLY = {"num_tokens_total": None, "detokenize_stop_sequence": False, "return_prompt_tokens": False,
                 "ignore_eos": False}
 """Engine SamplingParams options with no field in the router's API, at their defaults (its
-`skip_prompt_log_probs` needs none: the SDK never returns prompt log-probs)."""
+`skip_prompt_log_probs` needs none: prompt log-probs are asked for only by name, below)."""
+_SDK_ONLY = ("return_prompt_log_probs",)
+"""Left at their defaults when coercing: the engine's `return_log_probs` alone implies prompt
+log-probs, which cost the prefix cache, so the SDK asks for them only explicitly."""
 
 
 @dataclass(frozen=True)
@@ -158,6 +168,11 @@ class GenerateResult:
     """One per generated token with return_log_probs."""
     top_n_logprobs: tuple[Mapping[int, float], ...] = ()
     """One {token id: log-prob} per generated token with top_n_logprobs > 0."""
+    prompt_log_probs: tuple[float, ...] | None = None
+    """With return_prompt_log_probs: one per prompt token after the first, given those before it."""
+    prompt_top_logprobs: tuple[Mapping[int, float], ...] | None = None
+    """With return_prompt_log_probs and top_n_logprobs > 0: one {token id: log-prob} per entry of
+    prompt_log_probs."""
     routing: RoutingInfo | None = None
     timing: TimingInfo | None = None
     ttft: float | None = None
@@ -182,6 +197,9 @@ class StreamChunk:
     """The text the new tokens complete ("" without a tokenizer, or while a UTF-8 sequence is open)."""
     logprobs: tuple[float, ...] = ()
     top_logprobs: tuple[Mapping[int, float], ...] = ()
+    prompt_log_probs: tuple[float, ...] | None = None
+    """On the first token's chunk with return_prompt_log_probs (see GenerateResult.prompt_log_probs)."""
+    prompt_top_logprobs: tuple[Mapping[int, float], ...] = ()
     result: GenerateResult | None = None
     """Set on the last chunk only."""
 

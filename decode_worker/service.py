@@ -32,6 +32,7 @@ from splitserve.engine.wire import (
     descriptor_from_proto,
     finish_reason,
     grant_from_proto,
+    prompt_logprobs_to_proto,
     push_to_proto,
     sampling_from_proto,
     top_logprobs_to_proto,
@@ -183,6 +184,8 @@ class DecodeWorkerService(decode_worker_pb2_grpc.DecodeWorkerServicer):
                 chunk = decode_worker_pb2.DecodeChunk(token_ids=list(out.new_token_ids))
                 if out.num_generated == 1 and result is not None:  # prefilled here: its prefix-cache hit
                     chunk.num_cached_tokens = result.num_cached_tokens
+                    if (prompt := prompt_logprobs_to_proto(result)) is not None:
+                        chunk.prompt_logprobs.CopyFrom(prompt)
                 if params.return_log_probs:
                     chunk.logprobs.extend(out.new_log_probs)
                 if params.top_n_logprobs:

@@ -51,6 +51,7 @@ class Request:
     num_registered_blocks: int = 0
     generated_log_probs: list[float] = field(default_factory=list)
     prompt_log_probs: list[float] = field(default_factory=list)
+    prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     top_n_logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
     first_scheduled_time: float | None = None
@@ -162,6 +163,9 @@ class GenerationResult:
     prompt_tokens: list[int] | None = None
     generated_log_probs: list[float] | None = None
     prompt_log_probs: list[float] | None = None
+    """One per prompt token after the first: its log-prob given the tokens before it."""
+    prompt_top_logprobs: list[dict[int, float]] | None = None
+    """With prompt log-probs and `top_n_logprobs`: each of those positions' top-N alternatives."""
     top_n_logprobs: list[dict[int, float]] | None = None
     ttft: float | None = None
     """Seconds from arrival to the first generated token."""
@@ -182,6 +186,8 @@ class GenerationResult:
             prompt_tokens=list(req.prompt_token_ids) if params.return_prompt_tokens else None,
             generated_log_probs=list(req.generated_log_probs) if params.return_log_probs else None,
             prompt_log_probs=list(req.prompt_log_probs) if req.wants_prompt_log_probs else None,
+            prompt_top_logprobs=(list(req.prompt_top_logprobs)
+                                 if req.wants_prompt_log_probs and params.top_n_logprobs else None),
             top_n_logprobs=list(req.top_n_logprobs) if params.top_n_logprobs else None,
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             num_cached_tokens=req.num_cached_tokens,

@@ -71,13 +71,21 @@ def sample_row(
     return SampleResult(token, float(logprobs[token]), top_n)
 
 
-def prompt_logprobs(logits: torch.Tensor, next_token_ids: list[int]) -> list[float]:
-    """logits [n, vocab] at positions p..p+n-1 and the tokens at p+1..p+n -> their log-probs."""
+def prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: list[int], top_n: int = 0
+) -> tuple[list[float], list[dict[int, float]]]:
+    """logits [n, vocab] at positions p..p+n-1 and the tokens at p+1..p+n -> their log-probs, and
+    (top_n > 0) each position's top_n alternatives as {token id: log-prob} (else an empty list)."""
     if not next_token_ids:
-        return []
-    logprobs = torch.log_softmax(logits[: len(next_token_ids)], dim=-1)
+        return [], []
+    logprobs = torch.log_softmax(logits[: len(next_token_ids)].float(), dim=-1)
     ids = torch.tensor(next_token_ids, device=logits.device)
-    return logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    chosen = logprobs.gather(1, ids[:, None]).squeeze(1).tolist()
+    if not top_n:
+        return chosen, []
+    values, top_ids = torch.topk(logprobs, min(top_n, logprobs.shape[-1]))
+    tops = [dict(zip(i, v, strict=True)) for i, v in zip(top_ids.tolist(), values.tolist(), strict=True)]
+    return chosen, tops
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

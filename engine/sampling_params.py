@@ -102,7 +102,9 @@ class SamplingParams:
         if isinstance(params, cls):
             return params
         if type(params).__module__ == "splitserve.client.types":  # by name: the engine does not import the SDK
-            return cls(**{name: getattr(params, name) for name in type(params).__dataclass_fields__})
+            fields = {name: getattr(params, name) for name in type(params).__dataclass_fields__}
+            fields["skip_prompt_log_probs"] = not fields.pop("return_prompt_log_probs")  # the SDK asks by name
+            return cls(**fields)
         raise TypeError(f"sampling params must be splitserve.SamplingParams (or splitserve.client.SamplingParams), "
                         f"got {type(params).__name__}")
 

@@ -180,11 +180,14 @@ class SimRunner:
         req = chunk.request
         sample = self._sample(req) if chunk.is_sample else None
         prompt_log_probs: tuple[float, ...] = ()
+        tops: tuple[dict[int, float], ...] = ()
         if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
             end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)
             targets = req.prompt_token_ids[chunk.start + 1 : end]
             prompt_log_probs = tuple(-((t * 2654435761) % 8192) / 1024 for t in targets)
-        return ChunkResult(req.request_id, sample, prompt_log_probs)
+            if req.params.top_n_logprobs:  # the prompt token itself as the only alternative
+                tops = tuple({t: lp} for t, lp in zip(targets, prompt_log_probs, strict=True))
+        return ChunkResult(req.request_id, sample, prompt_log_probs, tops)
 
     def _sample(self, req: Request) -> SampleResult:
         ctx = self._contexts.get(req.request_id)

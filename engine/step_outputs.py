@@ -44,6 +44,7 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
             req.output_token_ids.pop()  # the placeholder
             engine.scheduler.update_computed(req, chunk.start + chunk.num_tokens)
         req.prompt_log_probs.extend(res.prompt_log_probs)
+        req.prompt_top_logprobs.extend(res.prompt_top_logprobs)
         if res.sample is None:
             continue
         token = res.sample.token_id

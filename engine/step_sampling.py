@@ -80,6 +80,8 @@ class ChunkResult:
     request_id: str
     sample: SampleResult | None
     prompt_log_probs: tuple[float, ...] = ()
+    prompt_top_logprobs: tuple[dict[int, float], ...] = ()
+    """Prompt positions' top-N alternatives, when the request wants prompt log-probs and top N."""
 
 
 class StepSampling:
@@ -242,10 +244,12 @@ class StepSampling:
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
                                     req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted)
             plp: list[float] = []
+            ptop: list[dict[int, float]] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
                 end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)
-                plp = prompt_logprobs(logits[first:last], req.token_slice(chunk.start + 1, end))
-            results.append(ChunkResult(req.request_id, sample, tuple(plp)))
+                plp, ptop = prompt_logprobs(logits[first:last], req.token_slice(chunk.start + 1, end),
+                                            params.top_n_logprobs)  # fmt: skip
+            results.append(ChunkResult(req.request_id, sample, tuple(plp), tuple(ptop)))
         return results
 
     def _generator(self, req: Request) -> torch.Generator | None:

@@ -58,6 +58,8 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
     """Raises ValueError (quoting the value) for invalid settings."""
     if len(msg.termination_ids) > 1:
         raise ValueError(f"at most one termination id is supported, got {list(msg.termination_ids)}")
+    if msg.return_prompt_log_probs and not msg.return_log_probs:
+        raise ValueError("return_prompt_log_probs needs return_log_probs, got return_log_probs=False")
     return SamplingParams(
         num_tokens_to_generate=msg.num_tokens_to_generate or 16,
         temperature=float(msg.temperature),
@@ -67,7 +69,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         termination_id=msg.termination_ids[0] if msg.termination_ids else None,
         stop_words=tuple(msg.stop_words),
         return_log_probs=msg.return_log_probs,
-        skip_prompt_log_probs=True,
+        skip_prompt_log_probs=not msg.return_prompt_log_probs,
         top_n_logprobs=msg.top_n_logprobs,
         output_offset=msg.output_offset,
         logit_bias={token: _exact(bias) for token, bias in msg.logit_bias.items()},
@@ -83,6 +85,9 @@ def _exact(value: float) -> float:
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    """The engine params as the wire's. The wire asks for prompt log-probs only explicitly
+    (`return_prompt_log_probs`): the engine's `return_log_probs` alone implies them, and they
+    cost a prefix-cache miss, so they are not carried over here; set the field to ask."""
     msg = common_pb2.SamplingParams(
         num_tokens_to_generate=p.num_tokens_to_generate or 0,
         temperature=p.temperature,
@@ -109,6 +114,16 @@ def finish_reason(result: GenerationResult) -> int:
 def top_logprobs_to_proto(top: dict[int, float]) -> common_pb2.TokenTopLogprobs:
     return common_pb2.TokenTopLogprobs(
         top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=v) for t, v in top.items()]
+    )
+
+
+def prompt_logprobs_to_proto(result: GenerationResult) -> common_pb2.PromptLogprobs | None:
+    """A result's prompt log-probs (None when its request did not ask for them)."""
+    if result.prompt_log_probs is None:
+        return None
+    return common_pb2.PromptLogprobs(
+        logprobs=result.prompt_log_probs,
+        top_logprobs=[top_logprobs_to_proto(top) for top in result.prompt_top_logprobs or ()],
     )
 
 

@@ -35,15 +35,18 @@ class TokenTexts:
 @dataclass(frozen=True)
 class TokenLogprob:
     token: str
-    logprob: float
-    top: tuple[tuple[str, float], ...]
-    """Alternatives (token text, log-prob), most likely first."""
+    logprob: float | None
+    """None only for a prompt's first token (nothing before it)."""
+    top: tuple[tuple[str, float], ...] | None
+    """Alternatives (token text, log-prob), most likely first; None with `logprob`."""
 
 
 @dataclass
 class ChoiceDelta:
     text: str = ""
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None
+    """The prompt's entries (echo with logprobs), on the first token's delta."""
 
 
 class ChoiceOutput:
@@ -57,6 +60,7 @@ class ChoiceOutput:
         self._token_texts = token_texts
         self._stops = StopStringMatcher(stop)
         self._wants_logprobs = wants_logprobs
+        self._prompt_ids = list(prompt_ids)
         self.num_prompt_tokens = len(prompt_ids)
         self.text = ""
         """Everything released so far."""
@@ -71,6 +75,8 @@ class ChoiceOutput:
 
     def add(self, chunk: StreamChunk) -> ChoiceDelta:
         delta = ChoiceDelta()
+        if chunk.prompt_log_probs is not None:
+            delta.prompt_logprobs = self._prompt_entries(chunk)
         self.num_tokens += len(chunk.token_ids)
         for i, token_id in enumerate(chunk.token_ids):
             if self._stops.matched is not None:
@@ -94,5 +100,18 @@ class ChoiceOutput:
 
     def _entry(self, token_id: int, chunk: StreamChunk, i: int) -> TokenLogprob:
         top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else {}
-        alternatives = tuple((self._token_texts(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1]))
-        return TokenLogprob(self._token_texts(token_id), chunk.logprobs[i], alternatives)
+        return TokenLogprob(self._token_texts(token_id), chunk.logprobs[i], self._alternatives(top))
+
+    def _alternatives(self, top) -> tuple[tuple[str, float], ...]:
+        return tuple((self._token_texts(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1]))
+
+    def _prompt_entries(self, chunk: StreamChunk) -> list[TokenLogprob]:
+        """The prompt tokens' entries: the first has no log-prob (OpenAI's null), each later one
+        its log-prob given those before it, and its alternatives when asked for."""
+        ids, lps, tops = self._prompt_ids, chunk.prompt_log_probs, chunk.prompt_top_logprobs
+        entries = [TokenLogprob(self._token_texts(ids[0]), None, None)] if ids else []
+        for i, token_id in enumerate(ids[1:]):
+            top = tops[i] if i < len(tops) else {}
+            entries.append(TokenLogprob(self._token_texts(token_id), lps[i] if i < len(lps) else None,
+                                        self._alternatives(top)))  # fmt: skip
+        return entries

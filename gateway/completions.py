@@ -2,21 +2,26 @@
 
 Each choice is one router request (`<id>-<choice index>`); choice index
 = prompt index × n + choice number, as OpenAI numbers them.
+
+`echo` with `logprobs` returns the prompt tokens' log-probs before the generated ones (the
+first prompt token's is null), computed by the worker that computes the prompt; `max_tokens: 0`
+with `echo` scores the prompt alone, as evaluation harnesses ask (one token is generated and
+dropped: the engine samples at the prompt's end anyway).
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from splitserve.client import SamplingParams
-from splitserve.gateway.choice_output import ChoiceOutput, TokenLogprob
+from splitserve.gateway.choice_output import ChoiceDelta, ChoiceOutput, TokenLogprob
 from splitserve.gateway.context import ServingContext
 from splitserve.gateway.generation import merge, run_choice
 from splitserve.gateway.prompts import completion_prompts, max_new_tokens
 from splitserve.gateway.requests import CompletionRequest
-from splitserve.gateway.responses import completion_logprobs, now, total_usage, usage_dict
+from splitserve.gateway.responses import completion_logprobs, echoed_logprobs, now, total_usage, usage_dict
 from splitserve.gateway.sampling import choice_params, stop_strings
 
 
@@ -30,6 +35,8 @@ class _Choice:
     params: SamplingParams
     output: ChoiceOutput
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    """echo with logprobs: the prompt tokens' entries."""
     offset: int = 0
     """Characters of this choice's text sent so far (text_offset of the next token)."""
 
@@ -49,14 +56,18 @@ class CompletionRun:
         wants_logprobs = request.logprobs is not None
         stops = stop_strings(request.stop)
         self.choices: list[_Choice] = []
+        self.score_only = request.max_tokens == 0
+        """max_tokens 0 (echo): the prompt alone; the one token generated is dropped."""
         for p, prompt in enumerate(prompts):
-            budget = max_new_tokens(request.max_tokens, len(prompt.token_ids), ctx.model, "prompt")
+            budget = max_new_tokens(1 if self.score_only else request.max_tokens,
+                                    len(prompt.token_ids), ctx.model, "prompt")  # fmt: skip
             echo = ""
             if request.echo:
                 echo = prompt.text if prompt.text is not None else ctx.model.tokenizer.decode(prompt.token_ids)
             for i in range(request.n):
                 params = choice_params(
-                    request, budget, i, return_log_probs=wants_logprobs, top_n_logprobs=request.logprobs or 0
+                    request, budget, i, return_log_probs=wants_logprobs, top_n_logprobs=request.logprobs or 0,
+                    return_prompt_log_probs=wants_logprobs and request.echo,
                 )
                 output = ChoiceOutput(ctx.model.tokenizer, ctx.token_texts, prompt.token_ids, stops, wants_logprobs)
                 self.choices.append(_Choice(p * request.n + i, p, prompt.token_ids, echo, params, output))
@@ -74,7 +85,8 @@ class CompletionRun:
         """The whole answer (non-streaming)."""
         async for choice, delta in merge([self._tagged(c) for c in self.choices]):
             if delta is not None:
-                choice.logprobs += delta.logprobs
+                choice.logprobs += self._generated(delta).logprobs
+                choice.prompt_logprobs += delta.prompt_logprobs or []
         return {
             "id": self.id, "object": "text_completion", "created": self.created, "model": self.ctx.model.name,
             "choices": [self._final_choice(c) for c in self.choices], "usage": self.usage(),
@@ -88,12 +100,16 @@ class CompletionRun:
                 text = choice.echo if choice.offset == 0 else ""  # echo of a choice that produced no text
                 yield self._chunk(choice, text, None, choice.output.finish_reason, include_usage)
                 continue
+            delta = self._generated(delta)
             text = delta.text
             if choice.echo and choice.offset == 0:
                 text = choice.echo + text
             logprobs = None
             if self._wants_logprobs:
-                logprobs = completion_logprobs(delta.logprobs, choice.offset + len(text) - len(delta.text))
+                if delta.prompt_logprobs is not None:  # with the echo (the first token's delta)
+                    logprobs = echoed_logprobs(delta.prompt_logprobs, delta.logprobs, len(choice.echo))
+                else:
+                    logprobs = completion_logprobs(delta.logprobs, choice.offset + len(text) - len(delta.text))
             choice.offset += len(text)
             yield self._chunk(choice, text, logprobs, None, include_usage)
         if include_usage:
@@ -106,9 +122,15 @@ class CompletionRun:
         n = self.request.n
         per_prompt = [[c.output.usage for c in self.choices[p * n : (p + 1) * n]] for p in range(len(self.prompt_lens))]
         if any(u is None for usages in per_prompt for u in usages):  # cut short: count what arrived
-            completion = sum(c.output.num_tokens for c in self.choices)
+            completion = 0 if self.score_only else sum(c.output.num_tokens for c in self.choices)
             return usage_dict(sum(self.prompt_lens), completion, 0)
+        if self.score_only:  # the dropped token is not output
+            per_prompt = [[replace(u, completion_tokens=0) for u in usages] for usages in per_prompt]
         return total_usage(self.prompt_lens, per_prompt)
+
+    def _generated(self, delta: ChoiceDelta) -> ChoiceDelta:
+        """The delta as the client sees it: with max_tokens 0, no generated text or entries."""
+        return ChoiceDelta("", [], delta.prompt_logprobs) if self.score_only else delta
 
     # ----------------------------------------------------------------- shapes
     @property
@@ -116,11 +138,13 @@ class CompletionRun:
         return self.request.logprobs is not None
 
     def _final_choice(self, choice: _Choice) -> dict:
-        text = choice.echo + choice.output.text
+        text = choice.echo + ("" if self.score_only else choice.output.text)
+        logprobs = None
+        if self._wants_logprobs:
+            logprobs = echoed_logprobs(choice.prompt_logprobs, choice.logprobs, len(choice.echo))
         return {
-            "index": choice.index, "text": text,
-            "logprobs": completion_logprobs(choice.logprobs, len(choice.echo)) if self._wants_logprobs else None,
-            "finish_reason": choice.output.finish_reason,
+            "index": choice.index, "text": text, "logprobs": logprobs,
+            "finish_reason": "length" if self.score_only else choice.output.finish_reason,
         }  # fmt: skip
 
     def _chunk(self, choice: _Choice, text: str, logprobs, finish_reason, include_usage: bool) -> dict:

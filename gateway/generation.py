@@ -31,7 +31,7 @@ async def run_choice(
             num_after_stop += len(chunk.token_ids)
             if num_after_stop > MAX_TOKENS_AFTER_STOP:
                 output.finish_early()
-        if delta.text or delta.logprobs:
+        if delta.text or delta.logprobs or delta.prompt_logprobs:
             yield delta
         if output.usage is not None:
             return

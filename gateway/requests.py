@@ -124,9 +124,10 @@ class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]] = Field(description="Text, token ids, or a batch of either.")
-    max_tokens: int | None = Field(default=16, ge=1, le=MAX_TOKENS_LIMIT, description="New tokens per choice; default 16.")
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_TOKENS_LIMIT,
+                                   description="New tokens per choice; default 16. 0 only with echo: score the prompt.")
     logprobs: int | None = Field(default=None, ge=0, le=20, description="Log-probs of each token and this many alternatives.")
-    echo: bool = Field(default=False, description="Prepend the prompt to the text (not with logprobs).")
+    echo: bool = Field(default=False, description="Prepend the prompt to the text; with logprobs, the prompt tokens' too.")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported.")
     suffix: str | None = Field(default=None, description="Not supported.")
 
@@ -141,8 +142,9 @@ class CompletionRequest(SamplingFields):
             raise bad_request(f"best_of must equal n ({self.n}) when given, got {self.best_of}", "best_of")
         if self.suffix:
             raise bad_request("suffix is not supported by splitserve", "suffix", "unsupported_parameter")
-        if self.echo and self.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt log-probs, which splitserve does not return", "echo")
+        if self.max_tokens == 0 and not self.echo:
+            raise bad_request("max_tokens must be at least 1 unless echo is true (0 with echo scores the prompt), "
+                              "got 0", "max_tokens")  # fmt: skip
         return self
 
 

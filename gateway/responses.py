@@ -40,9 +40,16 @@ def completion_logprobs(entries: Sequence[TokenLogprob], first_offset: int) -> d
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [dict(e.top) for e in entries],
+        "top_logprobs": [None if e.top is None else dict(e.top) for e in entries],
         "text_offset": offsets,
     }
+
+
+def echoed_logprobs(prompt: Sequence[TokenLogprob], generated: Sequence[TokenLogprob], echo_len: int) -> dict:
+    """`completion_logprobs` of an echoed prompt's entries (offsets from 0) then the generated ones
+    (offsets from the end of the echoed text)."""
+    head, tail = completion_logprobs(prompt, 0), completion_logprobs(generated, echo_len)
+    return {key: head[key] + tail[key] for key in head}
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> dict:

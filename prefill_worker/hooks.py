@@ -48,13 +48,15 @@ class FirstToken:
     """Empty unless the request asked for top_n_logprobs."""
     finished_as: str | None
     """The request's status when this token already ended it ("stopped", "length"), else None."""
+    result: GenerationResult
+    """The result it came from (its prompt log-probs, when asked for)."""
 
     @classmethod
     def of(cls, result: GenerationResult) -> FirstToken:
         logprobs, tops = result.generated_log_probs, result.top_n_logprobs
         return cls(
             result.generated_tokens[0], logprobs[0] if logprobs else None, dict(tops[0]) if tops else {},
-            None if result.status == "handoff" else result.status,
+            None if result.status == "handoff" else result.status, result,
         )  # fmt: skip
 
 

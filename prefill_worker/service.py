@@ -33,6 +33,7 @@ from splitserve.engine.wire import (
     descriptor_to_proto,
     finish_reason,
     grant_to_proto,
+    prompt_logprobs_to_proto,
     push_from_proto,
     sampling_from_proto,
     top_logprobs_to_proto,
@@ -315,6 +316,8 @@ def _first_token_to_proto(first: FirstToken) -> prefill_worker_pb2.PrefillFirstT
     )  # fmt: skip
     if first.logprob is not None:
         message.logprob = first.logprob
+    if (prompt := prompt_logprobs_to_proto(first.result)) is not None:
+        message.prompt_logprobs.CopyFrom(prompt)
     return message
 
 

@@ -42,6 +42,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    return_prompt_log_probs: bool = False
+    """Asked of whichever worker computes the prompt first (the prefill worker, or the decode worker
+    serving aggregated); never of a decode worker that imports a handoff or goes on after sent tokens."""
 
     def __post_init__(self) -> None:
         value = self.num_tokens_to_generate
@@ -78,6 +81,15 @@ TopLogprobs = tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """The prompt tokens' log-probs after the first (each given the tokens before it)."""
+
+    logprobs: tuple[float, ...]
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    """Empty, or one per entry of logprobs."""
+
+
+@dataclass(frozen=True)
 class Tokens:
     """Consecutive generated tokens with their optional log-probs."""
 
@@ -86,6 +98,8 @@ class Tokens:
     """Empty, or one per token."""
     top_logprobs: tuple[TopLogprobs, ...] = ()
     """Empty, or one per token."""
+    prompt: PromptLogprobs | None = None
+    """On a request's first token only: the prompt's log-probs, when asked for."""
 
     def __post_init__(self) -> None:
         for name in ("logprobs", "top_logprobs"):

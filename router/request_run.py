@@ -132,5 +132,6 @@ def continuation(request: GenerateRequest, sent: Tokens) -> GenerateRequest:
     tells it they are output: engine/stop.py), so one begun before the break still stops it."""
     params = request.sampling_params
     params = replace(params, num_tokens_to_generate=params.num_tokens_to_generate - len(sent.token_ids),
-                     output_offset=params.output_offset + len(sent.token_ids))
+                     output_offset=params.output_offset + len(sent.token_ids),
+                     return_prompt_log_probs=False)  # sent with the first token
     return replace(request, token_ids=request.token_ids + sent.token_ids, sampling_params=params)

@@ -44,6 +44,7 @@ from splitserve.router.messages import (
     PrefillFirstToken,
     PrefillResult,
     PrefillTiming,
+    PromptLogprobs,
     SamplingParams,
     Tokens,
     WorkerCallError,
@@ -70,6 +71,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         return_log_probs=message.return_log_probs, top_n_logprobs=message.top_n_logprobs,
         output_offset=message.output_offset, logit_bias=tuple(sorted(message.logit_bias.items())),
         presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
+        return_prompt_log_probs=message.return_prompt_log_probs,
     )  # fmt: skip
 
 
@@ -80,19 +82,30 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         stop_words=params.stop_words, return_log_probs=params.return_log_probs,
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
-        frequency_penalty=params.frequency_penalty,
+        frequency_penalty=params.frequency_penalty, return_prompt_log_probs=params.return_prompt_log_probs,
     )  # fmt: skip
 
 
-def _tokens_from_proto(token_ids, logprobs, top_logprobs) -> Tokens:
-    tops = tuple(tuple((t.token_id, t.logprob) for t in position.top_logprobs) for position in top_logprobs)
-    return Tokens(tuple(token_ids), tuple(logprobs), tops)
+def _tops_from_proto(top_logprobs) -> tuple[tuple[tuple[int, float], ...], ...]:
+    return tuple(tuple((t.token_id, t.logprob) for t in position.top_logprobs) for position in top_logprobs)
 
 
-def _top_logprobs_to_proto(tokens: Tokens) -> list[common_pb2.TokenTopLogprobs]:
+def _prompt_from_proto(message) -> PromptLogprobs | None:
+    """A worker message's `prompt_logprobs` field (None when absent)."""
+    if not message.HasField("prompt_logprobs"):
+        return None
+    prompt = message.prompt_logprobs
+    return PromptLogprobs(tuple(prompt.logprobs), _tops_from_proto(prompt.top_logprobs))
+
+
+def _tokens_from_proto(token_ids, logprobs, top_logprobs, prompt: PromptLogprobs | None = None) -> Tokens:
+    return Tokens(tuple(token_ids), tuple(logprobs), _tops_from_proto(top_logprobs), prompt)
+
+
+def _top_logprobs_to_proto(tops) -> list[common_pb2.TokenTopLogprobs]:
     return [
         common_pb2.TokenTopLogprobs(top_logprobs=[common_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in position])
-        for position in tokens.top_logprobs
+        for position in tops
     ]
 
 
@@ -113,9 +126,12 @@ def generate_request_from_proto(message: router_pb2.GenerateRequest) -> Generate
 def chunk_to_proto(chunk: OutputChunk) -> router_pb2.GenerateChunk:
     tokens = chunk.tokens
     message = router_pb2.GenerateChunk(
-        token_ids=tokens.token_ids, logprobs=tokens.logprobs, top_logprobs=_top_logprobs_to_proto(tokens),
+        token_ids=tokens.token_ids, logprobs=tokens.logprobs, top_logprobs=_top_logprobs_to_proto(tokens.top_logprobs),
         finish_reason=_FINISH_TO_PROTO[chunk.finish_reason],
     )  # fmt: skip
+    if tokens.prompt is not None:
+        message.prompt_logprobs.CopyFrom(common_pb2.PromptLogprobs(
+            logprobs=tokens.prompt.logprobs, top_logprobs=_top_logprobs_to_proto(tokens.prompt.top_logprobs)))
     if chunk.usage is not None:
         u = chunk.usage
         message.usage.CopyFrom(router_pb2.Usage(prompt_tokens=u.prompt_tokens, completion_tokens=u.completion_tokens, cached_tokens=u.cached_tokens))
@@ -150,7 +166,8 @@ def prefill_request_to_proto(
 
 
 def first_token_from_proto(message: prefill_worker_pb2.PrefillFirstToken) -> PrefillFirstToken:
-    first = _first_tokens(message.token_id, message.logprob if message.HasField("logprob") else None, message.top_logprobs)
+    first = _first_tokens(message.token_id, message.logprob if message.HasField("logprob") else None, message.top_logprobs,
+                          _prompt_from_proto(message))  # fmt: skip
     return PrefillFirstToken(first, _FINISH_FROM_PROTO.get(message.finish_reason))
 
 
@@ -178,10 +195,10 @@ def prefill_result_from_proto(message: prefill_worker_pb2.PrefillResponse, first
     )  # fmt: skip
 
 
-def _first_tokens(token_id: int, logprob: float | None, top_logprobs) -> Tokens:
+def _first_tokens(token_id: int, logprob: float | None, top_logprobs, prompt: PromptLogprobs | None = None) -> Tokens:
     """The one-entry Tokens of a prefill's first token (top_logprobs: TopLogprob messages, maybe none)."""
     tops = (tuple((t.token_id, t.logprob) for t in top_logprobs),) if top_logprobs else ()
-    return Tokens((token_id,), () if logprob is None else (logprob,), tops)
+    return Tokens((token_id,), () if logprob is None else (logprob,), tops, prompt)
 
 
 def decode_request_to_proto(
@@ -193,11 +210,12 @@ def decode_request_to_proto(
     )  # fmt: skip
     if handoff is not None:
         message.handoff.ParseFromString(handoff)
+        message.sampling_params.return_prompt_log_probs = False  # the prefill worker sent them
     return message
 
 
 def decode_output_from_proto(message: decode_worker_pb2.DecodeChunk) -> DecodeOutput:
-    tokens = _tokens_from_proto(message.token_ids, message.logprobs, message.top_logprobs)
+    tokens = _tokens_from_proto(message.token_ids, message.logprobs, message.top_logprobs, _prompt_from_proto(message))
     timing = None
     if message.HasField("timing"):
         t = message.timing

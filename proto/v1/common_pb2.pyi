@@ -28,7 +28,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset", "logit_bias", "presence_penalty", "frequency_penalty")
+    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset", "logit_bias", "presence_penalty", "frequency_penalty", "return_prompt_log_probs")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class SamplingParams(_message.Message):
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    RETURN_PROMPT_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     num_tokens_to_generate: int
     temperature: float
     top_k: int
@@ -62,7 +63,8 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     presence_penalty: float
     frequency_penalty: float
-    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ...) -> None: ...
+    return_prompt_log_probs: bool
+    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., return_prompt_log_probs: _Optional[bool] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")
@@ -77,6 +79,14 @@ class TokenTopLogprobs(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprob]
     def __init__(self, top_logprobs: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("logprobs", "top_logprobs")
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[TokenTopLogprobs]
+    def __init__(self, logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TokenTopLogprobs, _Mapping]]] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)

@@ -26,7 +26,7 @@ from splitserve.proto.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 from splitserve.proto.v1 import handoff_pb2 as splitserve_dot_v1_dot_handoff__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/prefill_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x11\n\tdecode_tp\x18\x05 \x01(\x05\"\xc1\x01\n\x0fPrefillResponse\x12\x31\n\x07handoff\x18\x01 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12,\n\x06timing\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.PrefillTiming\"\xc1\x01\n\x0cPrefillEvent\x12\x37\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32 .splitserve.v1.PrefillFirstTokenH\x00\x12\x32\n\x08response\x18\x02 \x01(\x0b\x32\x1e.splitserve.v1.PrefillResponseH\x00\x12;\n\x0fhandoff_started\x18\x03 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptorH\x00\x42\x07\n\x05\x65vent\"\xac\x01\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonB\n\n\x08_logprob\"\x89\x01\n\rPrefillTiming\x12\x12\n\nhandler_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\npublish_ms\x18\x04 \x01(\x01\x12\x12\n\nnum_chunks\x18\x05 \x01(\x05\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0fReleaseResponse\x12\x12\n\nwas_pinned\x18\x01 \x01(\x08\"\x14\n\x12GetBlockSetRequest\"c\n\x08\x42lockSet\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x65vent_sequence\x18\x03 \x01(\x03\x12\x15\n\rblock_digests\x18\x04 \x03(\x0c\"\xf7\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\ndst_layout\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\tgroup_key\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x05\x12\'\n\x05state\x18\t \x01(\x0b\x32\x18.splitserve.v1.StatePush\"M\n\tStatePush\x12.\n\ndst_layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.StateLayout\x12\x10\n\x08\x64st_slot\x18\x02 \x01(\x05\"M\n\x0ePushKVResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x14\n\x0cis_new_group\x18\x03 \x01(\x08\x32\x9b\x04\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12M\n\rPrefillStream\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12\x45\n\x06PushKV\x12\x1c.splitserve.v1.PushKVRequest\x1a\x1d.splitserve.v1.PushKVResponse\x12Q\n\x0e\x43heckIntegrity\x12\x1f.splitserve.v1.IntegrityRequest\x1a\x1e.splitserve.v1.IntegrityReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"splitserve/v1/prefill_worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1bsplitserve/v1/handoff.proto\"\x9c\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x36\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x04 \x01(\t\x12\x11\n\tdecode_tp\x18\x05 \x01(\x05\"\xc1\x01\n\x0fPrefillResponse\x12\x31\n\x07handoff\x18\x01 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptor\x12\x19\n\x11num_cached_tokens\x18\x02 \x01(\x05\x12\x32\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12,\n\x06timing\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.PrefillTiming\"\xc1\x01\n\x0cPrefillEvent\x12\x37\n\x0b\x66irst_token\x18\x01 \x01(\x0b\x32 .splitserve.v1.PrefillFirstTokenH\x00\x12\x32\n\x08response\x18\x02 \x01(\x0b\x32\x1e.splitserve.v1.PrefillResponseH\x00\x12;\n\x0fhandoff_started\x18\x03 \x01(\x0b\x32 .splitserve.v1.HandoffDescriptorH\x00\x42\x07\n\x05\x65vent\"\xe4\x01\n\x11PrefillFirstToken\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12/\n\x0ctop_logprobs\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12\x36\n\x0fprompt_logprobs\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.PromptLogprobsB\n\n\x08_logprob\"\x89\x01\n\rPrefillTiming\x12\x12\n\nhandler_ms\x18\x01 \x01(\x01\x12\x10\n\x08queue_ms\x18\x02 \x01(\x01\x12\x12\n\ncompute_ms\x18\x03 \x01(\x01\x12\x12\n\npublish_ms\x18\x04 \x01(\x01\x12\x12\n\nnum_chunks\x18\x05 \x01(\x05\x12\x16\n\x0e\x66irst_token_ms\x18\x06 \x01(\x01\"$\n\x0eReleaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"%\n\x0fReleaseResponse\x12\x12\n\nwas_pinned\x18\x01 \x01(\x08\"\x14\n\x12GetBlockSetRequest\"c\n\x08\x42lockSet\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x12\n\nblock_size\x18\x02 \x01(\x05\x12\x16\n\x0e\x65vent_sequence\x18\x03 \x01(\x03\x12\x15\n\rblock_digests\x18\x04 \x03(\x0c\"\xf7\x01\n\rPushKVRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12+\n\ndst_layout\x18\x02 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\x15\n\rdst_block_ids\x18\x03 \x03(\x05\x12\x13\n\x0b\x66irst_block\x18\x04 \x01(\x05\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x05 \x01(\t\x12\x11\n\tgroup_key\x18\x06 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x07 \x01(\t\x12\x12\n\ntimeout_ms\x18\x08 \x01(\x05\x12\'\n\x05state\x18\t \x01(\x0b\x32\x18.splitserve.v1.StatePush\"M\n\tStatePush\x12.\n\ndst_layout\x18\x01 \x01(\x0b\x32\x1a.splitserve.v1.StateLayout\x12\x10\n\x08\x64st_slot\x18\x02 \x01(\x05\"M\n\x0ePushKVResponse\x12\x11\n\tgroup_key\x18\x01 \x01(\t\x12\x12\n\nstore_path\x18\x02 \x01(\t\x12\x14\n\x0cis_new_group\x18\x03 \x01(\x08\x32\x9b\x04\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12M\n\rPrefillStream\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1b.splitserve.v1.PrefillEvent0\x01\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12I\n\x0bGetBlockSet\x12!.splitserve.v1.GetBlockSetRequest\x1a\x17.splitserve.v1.BlockSet\x12\x45\n\x06PushKV\x12\x1c.splitserve.v1.PushKVRequest\x1a\x1d.splitserve.v1.PushKVResponse\x12Q\n\x0e\x43heckIntegrity\x12\x1f.splitserve.v1.IntegrityRequest\x1a\x1e.splitserve.v1.IntegrityReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,23 +40,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLEVENT']._serialized_start=466
   _globals['_PREFILLEVENT']._serialized_end=659
   _globals['_PREFILLFIRSTTOKEN']._serialized_start=662
-  _globals['_PREFILLFIRSTTOKEN']._serialized_end=834
-  _globals['_PREFILLTIMING']._serialized_start=837
-  _globals['_PREFILLTIMING']._serialized_end=974
-  _globals['_RELEASEREQUEST']._serialized_start=976
-  _globals['_RELEASEREQUEST']._serialized_end=1012
-  _globals['_RELEASERESPONSE']._serialized_start=1014
-  _globals['_RELEASERESPONSE']._serialized_end=1051
-  _globals['_GETBLOCKSETREQUEST']._serialized_start=1053
-  _globals['_GETBLOCKSETREQUEST']._serialized_end=1073
-  _globals['_BLOCKSET']._serialized_start=1075
-  _globals['_BLOCKSET']._serialized_end=1174
-  _globals['_PUSHKVREQUEST']._serialized_start=1177
-  _globals['_PUSHKVREQUEST']._serialized_end=1424
-  _globals['_STATEPUSH']._serialized_start=1426
-  _globals['_STATEPUSH']._serialized_end=1503
-  _globals['_PUSHKVRESPONSE']._serialized_start=1505
-  _globals['_PUSHKVRESPONSE']._serialized_end=1582
-  _globals['_PREFILLWORKER']._serialized_start=1585
-  _globals['_PREFILLWORKER']._serialized_end=2124
+  _globals['_PREFILLFIRSTTOKEN']._serialized_end=890
+  _globals['_PREFILLTIMING']._serialized_start=893
+  _globals['_PREFILLTIMING']._serialized_end=1030
+  _globals['_RELEASEREQUEST']._serialized_start=1032
+  _globals['_RELEASEREQUEST']._serialized_end=1068
+  _globals['_RELEASERESPONSE']._serialized_start=1070
+  _globals['_RELEASERESPONSE']._serialized_end=1107
+  _globals['_GETBLOCKSETREQUEST']._serialized_start=1109
+  _globals['_GETBLOCKSETREQUEST']._serialized_end=1129
+  _globals['_BLOCKSET']._serialized_start=1131
+  _globals['_BLOCKSET']._serialized_end=1230
+  _globals['_PUSHKVREQUEST']._serialized_start=1233
+  _globals['_PUSHKVREQUEST']._serialized_end=1480
+  _globals['_STATEPUSH']._serialized_start=1482
+  _globals['_STATEPUSH']._serialized_end=1559
+  _globals['_PUSHKVRESPONSE']._serialized_start=1561
+  _globals['_PUSHKVRESPONSE']._serialized_end=1638
+  _globals['_PREFILLWORKER']._serialized_start=1641
+  _globals['_PREFILLWORKER']._serialized_end=2180
 # @@protoc_insertion_point(module_scope)

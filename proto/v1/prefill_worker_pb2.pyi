@@ -45,16 +45,18 @@ class PrefillEvent(_message.Message):
     def __init__(self, first_token: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., response: _Optional[_Union[PrefillResponse, _Mapping]] = ..., handoff_started: _Optional[_Union[_handoff_pb2.HandoffDescriptor, _Mapping]] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason")
+    __slots__ = ("token_id", "logprob", "top_logprobs", "finish_reason", "prompt_logprobs")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROB_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     logprob: float
     top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprob]
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    prompt_logprobs: _common_pb2.PromptLogprobs
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprob, _Mapping]]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., prompt_logprobs: _Optional[_Union[_common_pb2.PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class PrefillTiming(_message.Message):
     __slots__ = ("handler_ms", "queue_ms", "compute_ms", "publish_ms", "num_chunks", "first_token_ms")

@@ -216,7 +216,7 @@ def test_a_stream_the_router_drops_after_tokens_goes_on_from_them(client, router
     (client/resume.py) — prompt + the tokens received, `output_offset` = their count, a budget of
     what is left, the same seed and stop words — and the caller sees one stream, one result."""
     params = SamplingParams(num_tokens_to_generate=64, temperature=0.7, seed=11, stop_words=("zzz",),
-                            return_log_probs=True)
+                            return_log_probs=True, return_prompt_log_probs=True)
     before = len(router.record.requests)
     router.break_first = 1
     chunks = list(client.stream("Hello", params, request_id="resume-me"))
@@ -230,6 +230,8 @@ def test_a_stream_the_router_drops_after_tokens_goes_on_from_them(client, router
     assert resumed.request_id == "resume-me.resume1" and list(resumed.token_ids) == [*first.token_ids, *sent]
     p = resumed.sampling_params
     assert (p.output_offset, p.num_tokens_to_generate, p.seed, list(p.stop_words)) == (len(sent), 64 - len(sent), 11, ["zzz"])
+    # the prompt's log-probs come with the first token: the resumed request does not ask again
+    assert first.sampling_params.return_prompt_log_probs and not p.return_prompt_log_probs
     router.break_first = 1
     with Client(router.address, tokenizer=tokenizer, options=ClientOptions(resume_streams=False)) as strict:
         with pytest.raises(UnavailableError, match="Stream removed"):

@@ -76,6 +76,12 @@ def test_greedy_tokens_and_logprobs_match_transformers(case):
         expected_prompt = prompt_lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(res.prompt_log_probs), expected_prompt, atol=1e-4)
         assert len(res.prompt_log_probs) == len(prompt) - 1
+        # Each prompt position's top 5 (max_tokens=48 cuts the longer prompts into chunks).
+        assert len(res.prompt_top_logprobs) == len(prompt) - 1
+        values, ids = prompt_lp[:-1].topk(5)
+        for pos, top in enumerate(res.prompt_top_logprobs):
+            assert list(top) == ids[pos].tolist()
+            assert torch.allclose(torch.tensor(list(top.values())), values[pos], atol=1e-4)
     llm.engine.check_integrity()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import grpc
 import pytest
 
@@ -85,6 +87,12 @@ def test_retry_helpers():
     assert follow.token_ids == (1, 2, 3, 9) and follow.sampling_params == SamplingParams(4, seed=3, output_offset=1)
     again = continuation(follow, Tokens((8, 7)))  # resumed twice: positions go on counting
     assert again.token_ids == (1, 2, 3, 9, 8, 7) and again.sampling_params == SamplingParams(2, seed=3, output_offset=3)
+    # Prompt log-probs went out with the first token: neither a continuation nor an import asks again.
+    scored = replace(request, sampling_params=SamplingParams(5, return_log_probs=True, return_prompt_log_probs=True))
+    assert not continuation(scored, Tokens((9,))).sampling_params.return_prompt_log_probs
+    assert decode_request_to_proto(scored, None, None).sampling_params.return_prompt_log_probs  # aggregated: asked
+    imported = decode_request_to_proto(scored, handoff_pb2.HandoffDescriptor(request_id="r").SerializeToString(), "p")
+    assert not imported.sampling_params.return_prompt_log_probs
 
 
 def test_proto_conversions_at_the_boundary():
