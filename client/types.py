@@ -12,6 +12,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from splitserve.engine.guided import check_schema
 from splitserve.engine.logit_adjustments import bias_pairs, check_penalty
 
 
@@ -63,6 +64,8 @@ class SamplingParams:
     """Subtracted from the logit of every token the output already holds ([-2, 2])."""
     frequency_penalty: float = 0.0
     """Subtracted once per occurrence of a token in the output so far ([-2, 2])."""
+    json_schema: str | None = None
+    """The JSON text of a JSON schema the output must follow (`{"type": "object"}`: any JSON object)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -93,6 +96,8 @@ class SamplingParams:
         object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         check_penalty("presence_penalty", self.presence_penalty)
         check_penalty("frequency_penalty", self.frequency_penalty)
+        if self.json_schema is not None:
+            check_schema(self.json_schema)
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:

@@ -39,7 +39,8 @@ def adjusted_rows(chunks, skip: Collection[int] = ()) -> list[int]:
     rows = []
     for i, chunk in enumerate(chunks):  # per decode step over the whole batch: the cheap test first
         params = chunk.request.params
-        if params.adjusts_logits and adjusts_in_place(params) and chunk.is_sample and i not in skip:
+        if params.adjusts_logits and adjusts_in_place(params) and chunk.is_sample and i not in skip \
+                and not params.is_guided:  # a guided row is adjusted and masked on the host (engine/guided.py)
             rows.append(i)
     return rows
 

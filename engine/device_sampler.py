@@ -29,7 +29,7 @@ def device_draws(params, logprobs_mode: str) -> bool:
     """A sampled row the batched sampler may draw: its token alone is wanted (a row with a logit
     bias or penalties from its logits adjusted in place first: engine/adjusted_rows.py), or
     also log-probs the device computes beside the draw (engine/step_logprobs.py)."""
-    return not params.is_greedy and (not wants_logprobs(params) or on_device(params, logprobs_mode))
+    return not params.is_greedy and not params.is_guided and (not wants_logprobs(params) or on_device(params, logprobs_mode))
 
 
 def mask_flags(params: Sequence, vocab: int) -> tuple[int, bool, bool]:

@@ -28,6 +28,7 @@ import torch
 from splitserve.engine import step_pipeline as pipeline
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.guided import Guides
 from splitserve.engine.model_runner import ModelRunner
 from splitserve.engine.models.config import ModelConfig
 from splitserve.engine.parallel import ParallelState, init_parallel_state
@@ -69,6 +70,8 @@ class Engine:
         limit = config.scheduler.max_sequence_length or self.model_config.max_position_embeddings
         self.max_sequence_length = min(limit, self.model_config.max_position_embeddings)
         self.eos_token_ids = self._eos_ids()
+        self.guides = Guides(config.model if self.tokenizer is not None else None, self.model_config.vocab_size,
+                             self.eos_token_ids)  # fmt: skip
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
@@ -143,6 +146,8 @@ class Engine:
         max_new = self.validate(prompt_token_ids, params)
         eos = (params.termination_id,) if params.termination_id is not None else self.eos_token_ids
         req = Request(request_id, list(prompt_token_ids), params, () if params.ignore_eos else eos, max_new)
+        if params.is_guided:  # (ValueError for a schema it cannot compile: before anything is held)
+            req.guide = self.guides.matcher(params.json_schema, req.output_so_far())
         self._requests[request_id] = req
         self._stops[request_id] = StopChecker(req, self.tokenizer)
         return req
@@ -184,6 +189,8 @@ class Engine:
             self._forget(request_id)
             raise
         req.first_token_time = time.monotonic()
+        if req.guide is not None:
+            req.guide.consume_token(first_token_id)
         if params.return_log_probs and first_token_logprob is not None:
             req.generated_log_probs.append(first_token_logprob)
         reused = req.num_cached_tokens // self.block_size

@@ -50,6 +50,8 @@ class Request:
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_registered_blocks: int = 0
     generated_log_probs: list[float] = field(default_factory=list)
+    guide: object | None = None
+    """With a json_schema: its matcher, fed every output token (engine/guided.py)."""
     prompt_log_probs: list[float] = field(default_factory=list)
     prompt_top_logprobs: list[dict[int, float]] = field(default_factory=list)
     top_n_logprobs: list[dict[int, float]] = field(default_factory=list)

@@ -46,13 +46,17 @@ def sample_row(
     output_ids: Sequence[int] = (),
     preadjusted: bool = False,
     token_only: bool = False,
+    allowed: torch.Tensor | None = None,
 ) -> SampleResult:
     """logits [vocab] float32 -> the next token (and its log-probs when asked); `output_ids`:
     the request's output so far, for its penalties (engine/logit_slots.py `adjust_once`); `preadjusted`: the row's
     adjustments are already in `logits` (engine/adjusted_rows.py); `token_only`: no log-probs
-    (their caller takes them elsewhere: engine/step_logprobs.py)."""
+    (their caller takes them elsewhere: engine/step_logprobs.py); `allowed`: bool [vocab], the
+    only tokens that may be sampled (engine/guided.py)."""
     adjust = params.adjusts_logits and not preadjusted
     scored = adjust_once(logits, params, output_ids) if adjust else logits
+    if allowed is not None:  # a guided row (engine/guided.py): only tokens that keep its grammar
+        scored = scored.masked_fill(~allowed.to(scored.device), float("-inf"))
     if params.is_greedy:
         token = int(torch.argmax(scored))
         processed = scored if scored is not logits else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from splitserve.engine.guided import check_schema
 from splitserve.engine.logit_adjustments import bias_pairs, check_penalty
 
 
@@ -52,6 +53,10 @@ class SamplingParams:
     """Subtracted from the logit of every token the output already holds (OpenAI, [-2, 2])."""
     frequency_penalty: float = 0.0
     """Subtracted once per occurrence of a token in the output so far (OpenAI, [-2, 2])."""
+    json_schema: str | None = None
+    """The JSON text of a JSON schema the output must follow (OpenAI's `response_format`;
+    json_object mode is `{"type": "object"}`): tokens are sampled under a mask of those that keep
+    it valid (engine/guided.py). Needs the model's tokenizer."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -92,7 +97,10 @@ class SamplingParams:
         adjusts = bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
         object.__setattr__(self, "_adjusts", adjusts)  # read per row per step: not recomputed
         wants_logprobs = bool(self.return_log_probs or self.top_n_logprobs)
-        object.__setattr__(self, "_argmax_only", self.is_greedy and not adjusts and not wants_logprobs)
+        if self.json_schema is not None:
+            check_schema(self.json_schema)
+        object.__setattr__(self, "_argmax_only", self.is_greedy and not adjusts and not wants_logprobs
+                           and self.json_schema is None)  # fmt: skip
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:
@@ -117,6 +125,11 @@ class SamplingParams:
         """A logit bias or a penalty: the row is scored on the host from its own logits (never a
         shared argmax or the batched device draw) — engine/adjusted_rows.py."""
         return self._adjusts
+
+    @property
+    def is_guided(self) -> bool:
+        """A json_schema: the row is sampled on the host under its mask (engine/guided.py)."""
+        return self.json_schema is not None
 
     @property
     def argmax_only(self) -> bool:

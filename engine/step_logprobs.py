@@ -39,7 +39,7 @@ def on_device(params, logprobs_mode: str, adjusted_too: bool = False) -> bool:
     """Log-probs this module computes for a row whose token is known on the device: the model's
     own logits, and for a sampled row only in `raw_logprobs` mode; `adjusted_too` (a decode step's
     launch): also a row with a bias or penalties, in `raw_logprobs` mode."""
-    if not wants_logprobs(params):
+    if not wants_logprobs(params) or params.is_guided:  # guided: with its token, on the host
         return False
     if params.adjusts_logits:
         return adjusted_too and logprobs_mode == "raw_logprobs"

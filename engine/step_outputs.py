@@ -49,6 +49,8 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
             continue
         token = res.sample.token_id
         req.output_token_ids.append(token)
+        if req.guide is not None:
+            req.guide.consume_token(token)
         is_first = req.first_token_time is None
         if is_first:
             req.first_token_time = now

@@ -23,7 +23,8 @@ Scheduling ahead is safe only when it cannot change which requests run, so
 - nothing waits for admission and the pool has a free block for each request
   (no preemption can hit a request that holds a placeholder);
 - the engine is one rank, not a prefill engine (prefill requests end after one
-  token anyway).
+  token anyway);
+- no row is guided by a JSON schema (engine/guided.py: its next mask needs this token).
 
 Otherwise the step in flight is collected first and the engine steps plainly.
 A request that finishes at step N (EOS, stop string, length) was already
@@ -65,7 +66,7 @@ def can_run_ahead(engine, out, pending) -> bool:
             continue
         alive += 1
         params = req.params
-        if chunk.num_tokens != 1 or not chunk.is_sample:
+        if chunk.num_tokens != 1 or not chunk.is_sample or params.is_guided:  # guided: its mask needs this token
             return False
         if not (params.is_greedy or i in pending.drawn) or (wants_logprobs(params) and i not in logprob_rows):
             return False

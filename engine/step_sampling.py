@@ -23,6 +23,7 @@ from splitserve.engine.device_sampler import (
     sampled_rows,
 )
 from splitserve.engine.devices import to_device
+from splitserve.engine.guided import allowed
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
@@ -236,13 +237,14 @@ class StepSampling:
             sample = None
             params = req.params
             if i in drawn or (chunk.is_sample and params.is_greedy and (i in lps or not wants_logprobs(params))
-                              and (not params.adjusts_logits or i in adjusted)):
+                              and (not params.adjusts_logits or i in adjusted) and req.guide is None):
                 sample = SampleResult(greedy[last - 1], *lps.get(i, (None, None)))
             elif i in drawn_now:
                 sample = SampleResult(drawn_now[i], *lps.get(i, (None, None)))
             elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
-                                    req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted)
+                                    req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted,
+                                    allowed=None if req.guide is None else allowed(req.guide, logits.shape[-1]))
             plp: list[float] = []
             ptop: list[dict[int, float]] = []
             if req.wants_prompt_log_probs and chunk.start < req.prompt_len:

@@ -75,6 +75,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         logit_bias={token: _exact(bias) for token, bias in msg.logit_bias.items()},
         presence_penalty=_exact(msg.presence_penalty),
         frequency_penalty=_exact(msg.frequency_penalty),
+        json_schema=msg.json_schema or None,
     )
 
 
@@ -101,6 +102,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         logit_bias=dict(p.logit_bias),
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
+        json_schema=p.json_schema or "",
     )
     if p.seed is not None:
         msg.seed = p.seed

@@ -119,7 +119,7 @@ class ChatRun:
             _Choice(
                 i,
                 choice_params(request, budget, i, return_log_probs=request.logprobs,
-                              top_n_logprobs=request.top_logprobs or 0),
+                              top_n_logprobs=request.top_logprobs or 0, json_schema=request.json_schema),
                 ChoiceOutput(ctx.model.tokenizer, ctx.token_texts, prompt.token_ids, stops, request.logprobs),
                 ChatTextParser(**self._parser_options),
             )  # fmt: skip

@@ -10,10 +10,12 @@ length, vocabulary) are checked later, in prompts.py.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from splitserve.engine.guided import compile_schema
 from splitserve.engine.logit_adjustments import BIAS_RANGE, PENALTY_RANGE
 from splitserve.gateway.errors import bad_request
 
@@ -223,8 +225,35 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
     type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow (engine/guided.py), None for free text.
+        APIError for an unknown type or a json_schema format without its schema."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+            schema = json.dumps(self.json_schema.schema_)
+            try:
+                compile_schema(schema)
+            except ValueError as exc:
+                raise bad_request(str(exc), "response_format") from None
+            return schema
+        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}",
+                          "response_format")  # fmt: skip
 
 
 class NamedFunction(_Strict):
@@ -261,11 +290,8 @@ class ChatCompletionRequest(SamplingFields):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise bad_request(
-                f"response_format {self.response_format.type!r} needs guided decoding, which splitserve does not support",
-                "response_format", "unsupported_parameter",
-            )  # fmt: skip
+        if self.response_format is not None:
+            self.response_format.schema_text()  # refused here, before any work, when malformed
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
@@ -278,6 +304,11 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def json_schema(self) -> str | None:
+        """The schema of `response_format` (None: free text)."""
+        return None if self.response_format is None else self.response_format.schema_text()
 
     @property
     def parses_tool_calls(self) -> bool:

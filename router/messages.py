@@ -42,6 +42,8 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    json_schema: str = ""
+    """The schema the output follows ("" = free text): every worker that samples applies it."""
     return_prompt_log_probs: bool = False
     """Asked of whichever worker computes the prompt first (the prefill worker, or the decode worker
     serving aggregated); never of a decode worker that imports a handoff or goes on after sent tokens."""

@@ -37,6 +37,7 @@ SHARED_ENGINE_MODULES = {
     "splitserve.engine.tokenizer",
     "splitserve.engine.default_model",
     "splitserve.engine.logit_adjustments",
+    "splitserve.engine.guided",
 }
 # The worker-process code both workers share lives in engine/ (they may not import each
 # other) and registers with the control plane, as workers do.

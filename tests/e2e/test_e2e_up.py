@@ -161,6 +161,34 @@ def test_streaming_with_usage_and_n(oai):
     assert chunks[-1].choices == [] and usage.completion_tokens <= 36 and usage.prompt_tokens > 0
 
 
+def test_structured_output_through_the_cluster_equals_llm(oai, cluster, llm):
+    """response_format: the prefill worker samples the first token and the decode worker the rest,
+    each under the schema's mask (the decode worker's matcher fed the imported token) = one engine's
+    guided output; sampled chat choices follow the schema too; a schema that cannot compile is a 400."""
+    from splitserve import SamplingParams as EngineParams
+
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                               "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    prompt, text = "Give me a person as JSON:", json.dumps(schema)
+    want = llm.generate([prompt], EngineParams(num_tokens_to_generate=60, temperature=0.0, json_schema=text))[0]
+    assert want.status == "stopped" and set(json.loads(want.generated_text)) == {"name", "age"}
+    with eval(cluster["sdk_line"], {"splitserve": splitserve}) as client:
+        [got] = client.generate([prompt], SamplingParams(num_tokens_to_generate=60, temperature=0, json_schema=text))
+    assert got.generated_tokens == tuple(want.generated_tokens) and got.routing.prefill_worker_id
+    messages = [{"role": "user", "content": "Describe a person."}]
+    chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, n=3, temperature=1.0, seed=2,
+                                       response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})  # fmt: skip
+    for choice in chat.choices:
+        value = json.loads(choice.message.content)
+        assert choice.finish_reason == "stop" and set(value) == {"name", "age"} and 0 <= value["age"] <= 120
+    whole = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, response_format={"type": "json_object"})
+    assert whole.choices[0].message.content.startswith("{")
+    with pytest.raises(openai.BadRequestError, match="cannot be compiled"):
+        oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": 2, "maxProperties": 1}}})
+
+
 def test_logprobs(oai):
     out = oai.completions.create(model=MODEL, prompt="class Stack:", max_tokens=6, temperature=0, logprobs=3)
     lp = out.choices[0].logprobs

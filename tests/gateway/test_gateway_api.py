@@ -193,6 +193,17 @@ def test_openai_fields_become_sampling_params(gateway, router):
     assert post(gateway, "/v1/chat/completions", chat)[0] == 200
     p = _last_request(router).sampling_params
     assert (dict(p.logit_bias), p.presence_penalty, p.frequency_penalty) == ({7: -3.5, 42: 100.0}, -0.5, 1.5)
+    assert not p.json_schema and not p.return_prompt_log_probs
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    formats = [({"type": "json_object"}, {"type": "object"}), ({"type": "text"}, None),
+               ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}, schema)]
+    for response_format, sent in formats:
+        assert post(gateway, "/v1/chat/completions", {**chat, "response_format": response_format})[0] == 200
+        p = _last_request(router).sampling_params
+        assert (json.loads(p.json_schema) if p.json_schema else None) == sent
+    assert post(gateway, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2, "max_tokens": 0})[0] == 200
+    p = _last_request(router).sampling_params  # scoring: one token generated (dropped), the prompt's log-probs
+    assert (p.num_tokens_to_generate, p.return_log_probs, p.return_prompt_log_probs, p.top_n_logprobs) == (1, True, True, 2)
 
 
 @pytest.mark.parametrize(

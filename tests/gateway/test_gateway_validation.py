@@ -95,7 +95,10 @@ CASES = [
     (CHAT, {"messages": USER, "tool_choice": "auto"}, 400, "tool_choice needs tools"),
     (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required"},
      400, "guided decoding"),
-    (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, 400, "guided decoding"),
+    (CHAT, {"messages": USER, "response_format": {"type": "yaml"}}, 400, "'text', 'json_object' or 'json_schema'"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400, "needs json_schema.schema"),
+    (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     400, "json_schema cannot be compiled: Invalid type: nonsense"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "may not set"),
     (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
 ]

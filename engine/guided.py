@@ -1,0 +1,110 @@
+"""Structured output: a request's tokens constrained to a JSON schema (OpenAI's `response_format`
+json_object / json_schema) by a mask of the allowed next tokens at every sampled position.
+
+    SamplingParams.json_schema ─▶ Guides.matcher(req) ─▶ req.guide (an llguidance LLMatcher,
+                                  the schema compiled for this model's tokenizer, fed the tokens
+                                  the request already output: a decode worker's imported first
+                                  token, a resumed stream's earlier output)
+    each sampled position: allowed(req.guide) ─▶ disallowed logits -inf ─▶ greedy / draw
+    each token appended:   req.guide.consume_token(token)
+
+Why llguidance: it computes a mask over a whole vocabulary in tens of µs from a tokenizer's
+byte-level trie and an Earley parser of the grammar (a Rust library, MIT, no dependencies), so
+a schema costs one host call per token rather than a walk of the vocabulary in Python; the
+same library serves structured outputs in several production engines. The module imports
+neither torch nor llguidance at load: the gateway and the SDK check schemas with `check_schema`.
+
+A guided row is sampled on the host (step_sampling.py): its mask depends on the token before
+it, so its step never runs ahead (step_pipeline.py) and the device sampler, the launch-time
+argmax and the launch-time adjustments skip it; its log-probs are the model's own (raw mode) or
+those of the masked distribution (processed mode), as with top-k / top-p. When the grammar is
+complete the mask leaves only the end-of-sequence tokens, so the request stops there; a token
+budget reached first cuts the JSON short (as OpenAI's API does: finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from functools import cached_property
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""The JSON's layout: one line, `json.dumps`'s separators. With whitespace left free a model can
+spend its token budget on blank lines between keys (a small or unsure model does); a schema may
+ask otherwise with llguidance's `x-guidance` key."""
+
+
+def check_schema(schema: str) -> None:
+    """ValueError unless `schema` is the JSON text of a JSON schema (an object or a boolean)."""
+    try:
+        value = json.loads(schema)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"json_schema must be the JSON text of a schema, got {schema!r:.80}: {exc}") from None
+    if not isinstance(value, dict | bool):
+        raise ValueError(f"json_schema must be a JSON object (a schema), got {type(value).__name__}")
+
+
+class Guides:
+    """One engine's compiler of JSON-schema guides, for its model's tokenizer and vocabulary."""
+
+    def __init__(self, tokenizer_dir: str | Path | None, vocab_size: int, eos_ids: tuple[int, ...]) -> None:
+        self._dir = None if tokenizer_dir is None else Path(tokenizer_dir)
+        self.vocab_size = vocab_size
+        self._eos = list(eos_ids)
+
+    @cached_property
+    def _tokenizer(self):
+        import llguidance
+
+        file = None if self._dir is None else self._dir / "tokenizer.json"
+        if file is None or not file.is_file():
+            raise ValueError("json_schema needs the model's tokenizer.json (the engine runs on token ids only)")
+        return llguidance.LLTokenizer(str(file), n_vocab=self.vocab_size, eos_token=self._eos or None)
+
+    def matcher(self, schema: str, output_so_far: list[int]):
+        """A matcher for `schema` that has consumed `output_so_far`. ValueError for a schema the
+        compiler refuses, or output that does not follow it."""
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer, compile_schema(schema), log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"json_schema cannot be compiled: {matcher.get_error()}")
+        if output_so_far and not matcher.consume_tokens(list(output_so_far)):
+            raise ValueError(f"the request's earlier output does not follow its json_schema: {matcher.get_error()}")
+        return matcher
+
+
+@functools.lru_cache(maxsize=256)  # a few schemas are reused by most clients
+def compile_schema(schema: str) -> str:
+    """`schema` (JSON text) as an llguidance grammar. ValueError, quoting the compiler, for one it
+    refuses (the gateway asks before routing a request, so the client gets a plain 400)."""
+    import llguidance
+
+    check_schema(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise ValueError(f"json_schema cannot be compiled: {error}")
+    return grammar
+
+
+def allowed(matcher, vocab_size: int) -> torch.Tensor:
+    """bool [vocab_size]: the tokens `matcher` accepts next (only the end-of-sequence tokens once
+    the grammar is complete; every token if the matcher broke, so sampling never sees an empty
+    distribution — the error is the caller's to report)."""
+    import llguidance.torch as llg_torch
+    import torch
+
+    words = llg_torch.allocate_token_bitmask(1, vocab_size)
+    if matcher.is_error():
+        return torch.ones(vocab_size, dtype=torch.bool)
+    llg_torch.fill_next_token_bitmask(matcher, words)
+    bits = words[0].view(torch.int32)[:, None] >> torch.arange(32, dtype=torch.int32)
+    mask = (bits & 1).flatten()[:vocab_size].bool()
+    return mask if bool(mask.any()) else torch.ones(vocab_size, dtype=torch.bool)

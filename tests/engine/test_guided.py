@@ -1,0 +1,92 @@
+"""Structured output (engine/guided.py): tokens sampled under a JSON schema's mask."""
+
+import json
+
+import pytest
+
+from splitserve import LLM, SamplingParams
+from splitserve.engine.guided import compile_schema
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Give me a person as JSON:", "def main():\n", "x"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(block_size_tokens=16, num_blocks=256)  # the embedded model: it has a tokenizer
+
+
+def _follows(text: str) -> bool:
+    value = json.loads(text)
+    return (set(value) == {"name", "age", "tags", "ok"} and isinstance(value["name"], str) and len(value["name"]) <= 8
+            and isinstance(value["age"], int) and 0 <= value["age"] <= 150 and isinstance(value["ok"], bool)
+            and all(t in ("a", "b", "c") for t in value["tags"]) and len(value["tags"]) <= 3)  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_outputs_follow_the_schema_and_stop_when_it_is_complete(llm, temperature):
+    params = SamplingParams(num_tokens_to_generate=80, temperature=temperature, seed=5, json_schema=json.dumps(SCHEMA),
+                            return_log_probs=True)  # fmt: skip
+    for result in llm.generate(PROMPTS, params):
+        assert result.status == "stopped", result.generated_text  # the grammar completed: EOS was all it allowed
+        assert _follows(result.generated_text), result.generated_text
+        assert len(result.generated_log_probs) == len(result.generated_tokens)
+    # the same draws again: seeded per position as any sampled row
+    again = llm.generate(PROMPTS, params)
+    assert [r.generated_tokens for r in again] == [r.generated_tokens for r in llm.generate(PROMPTS, params)]
+    llm.engine.check_integrity()
+
+
+def _batch(engine, rows) -> tuple[list, list[bool]]:
+    """(prompt, params) rows as one engine batch: results by row, and per step whether it ran ahead."""
+    done, ahead = {}, []
+    for i, (prompt, p) in enumerate(rows):
+        engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), p)
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.result is not None and out.result.is_finished:
+                done[out.request_id] = out.result
+        ahead.append(engine._inflight is not None)
+    engine.check_integrity()
+    return [done[f"r{i}"] for i in range(len(rows))], ahead
+
+
+def test_a_guided_row_leaves_its_batch_as_it_was_and_never_runs_ahead():
+    """A guided row is sampled on the host and its next mask needs its token, so no step with one
+    runs ahead (async scheduling on); the greedy and seeded rows beside it get their tokens alone."""
+    llm = LLM(block_size_tokens=16, num_blocks=256, async_scheduling=True)
+    plain = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(num_tokens_to_generate=24, temperature=0.9, seed=7, ignore_eos=True)
+    guided = SamplingParams(num_tokens_to_generate=40, temperature=0.0, json_schema=json.dumps(SCHEMA))
+    (a, b), ahead = _batch(llm.engine, [(PROMPTS[0], plain), (PROMPTS[1], seeded)])
+    assert sum(ahead) > 10  # without a guided row the batch runs ahead
+    (a2, b2, g), ahead = _batch(llm.engine, [(PROMPTS[0], plain), (PROMPTS[1], seeded), (PROMPTS[2], guided)])
+    assert (a2.generated_tokens, b2.generated_tokens) == (a.generated_tokens, b.generated_tokens)
+    assert g.status == "stopped" and _follows(g.generated_text)
+    running = len(g.generated_tokens)  # the guided row ran in the batch's first steps
+    assert not any(ahead[: running - 1]), ahead
+
+
+def test_bad_schemas_and_models_without_a_tokenizer_are_refused(llm, llama_ckpt):
+    with pytest.raises(ValueError, match="json_schema must be the JSON text of a schema"):
+        SamplingParams(json_schema="{nope")
+    with pytest.raises(ValueError, match="json_schema must be a JSON object"):
+        SamplingParams(json_schema="[1, 2]")
+    with pytest.raises(ValueError, match="json_schema cannot be compiled: Invalid type: nonsense"):
+        llm.generate(["x"], SamplingParams(json_schema='{"type": "nonsense"}'))
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        compile_schema('{"type": "object", "minProperties": 3, "maxProperties": 1}')
+    llm.engine.check_integrity()  # nothing held by the refused requests
+    bare = LLM(str(llama_ckpt), block_size_tokens=8, num_blocks=64)  # token ids only: no tokenizer.json
+    with pytest.raises(ValueError, match="needs the model's tokenizer.json"):
+        bare.generate([[5, 6, 7]], SamplingParams(json_schema='{"type": "object"}'))
