@@ -39,6 +39,7 @@ import torch
 from splitserve.engine.block_pool import BlockPool
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.engine import Engine, PinnedHandoff
+from splitserve.engine.guided import Guides
 from splitserve.engine.handoff import HandoffDescriptor, HandoffStage, engine_layout
 from splitserve.engine.kv_cache import num_blocks_for
 from splitserve.engine.models.config import ModelConfig
@@ -255,6 +256,7 @@ class SimEngine:
         limit = config.scheduler.max_sequence_length or model_config.max_position_embeddings
         self.max_sequence_length = min(limit, model_config.max_position_embeddings)
         self.eos_token_ids: tuple[int, ...] = ()
+        self.guides = Guides(None, model_config.vocab_size, ())  # pseudo-tokens: a json_schema is refused
         self._requests: dict[str, Request] = {}
         self._stops: dict[str, StopChecker] = {}
         self.handoffs: dict[str, PinnedHandoff] = {}
