@@ -18,11 +18,16 @@ from dataclasses import dataclass, field, replace
 from splitserve.client import SamplingParams
 from splitserve.gateway.choice_output import ChoiceDelta, ChoiceOutput, TokenLogprob
 from splitserve.gateway.context import ServingContext
+from splitserve.gateway.errors import bad_request
 from splitserve.gateway.generation import merge, run_choice
 from splitserve.gateway.prompts import completion_prompts, max_new_tokens
 from splitserve.gateway.requests import CompletionRequest
 from splitserve.gateway.responses import completion_logprobs, echoed_logprobs, now, total_usage, usage_dict
 from splitserve.gateway.sampling import choice_params, stop_strings
+
+MAX_PROMPT_LOGPROB_ENTRIES = 1_000_000
+"""Prompt log-probs (one per token and alternative) one prompt may ask for: ~13 bytes each on the
+wire, so the worker's first message stays under the 16 MiB gRPC message limit."""
 
 
 @dataclass
@@ -58,6 +63,13 @@ class CompletionRun:
         self.choices: list[_Choice] = []
         self.score_only = request.max_tokens == 0
         """max_tokens 0 (echo): the prompt alone; the one token generated is dropped."""
+        if wants_logprobs and request.echo:
+            entries = max(len(p.token_ids) for p in prompts) * (1 + (request.logprobs or 0))
+            if entries > MAX_PROMPT_LOGPROB_ENTRIES:
+                raise bad_request(
+                    f"echo with logprobs={request.logprobs} on a {max(len(p.token_ids) for p in prompts)}-token prompt "
+                    f"asks for {entries:,} log-probs, more than the {MAX_PROMPT_LOGPROB_ENTRIES:,} one answer carries; "
+                    "ask fewer alternatives or split the prompt", "logprobs")  # fmt: skip
         for p, prompt in enumerate(prompts):
             budget = max_new_tokens(1 if self.score_only else request.max_tokens,
                                     len(prompt.token_ids), ctx.model, "prompt")  # fmt: skip

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.guided import compile_schema
@@ -90,3 +91,27 @@ def test_bad_schemas_and_models_without_a_tokenizer_are_refused(llm, llama_ckpt)
     bare = LLM(str(llama_ckpt), block_size_tokens=8, num_blocks=64)  # token ids only: no tokenizer.json
     with pytest.raises(ValueError, match="needs the model's tokenizer.json"):
         bare.generate([[5, 6, 7]], SamplingParams(json_schema='{"type": "object"}'))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the device paths (graphs, device sampler, run-ahead) need a GPU")
+def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone():
+    """On a GPU a guided row skips the launch-time argmax, draws and adjustments and keeps its logits
+    in the decode graphs; in fp32 its greedy JSON is the CPU engine's, its batch's other rows (a
+    biased greedy one, a seeded one) get the tokens they get alone, and prompt log-probs agree."""
+    gpu = LLM(block_size_tokens=16, num_blocks=256, device="cuda", enable_cuda_graphs=True, dtype="float32")
+    cpu = LLM(block_size_tokens=16, num_blocks=256, dtype="float32")
+    guided = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA),
+                            return_log_probs=True, top_n_logprobs=2)  # fmt: skip
+    want = cpu.generate(PROMPTS, guided)
+    got = gpu.generate(PROMPTS, guided)
+    assert [r.generated_tokens for r in got] == [r.generated_tokens for r in want]
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(torch.tensor(g.prompt_log_probs), torch.tensor(w.prompt_log_probs), atol=1e-4)
+        assert [list(t) for t in g.prompt_top_logprobs] == [list(t) for t in w.prompt_top_logprobs]
+    biased = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True, logit_bias={25: 2.0})
+    seeded = SamplingParams(num_tokens_to_generate=24, temperature=0.9, seed=7, ignore_eos=True)
+    (a, b), _ = _batch(gpu.engine, [(PROMPTS[0], biased), (PROMPTS[1], seeded)])
+    (a2, b2, g), ahead = _batch(gpu.engine, [(PROMPTS[0], biased), (PROMPTS[1], seeded), (PROMPTS[2], guided)])
+    assert (a2.generated_tokens, b2.generated_tokens) == (a.generated_tokens, b.generated_tokens)
+    assert g.generated_tokens == want[2].generated_tokens and _follows(g.generated_text)
+    assert not any(ahead[: len(g.generated_tokens) - 1])

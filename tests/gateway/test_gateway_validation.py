@@ -175,3 +175,15 @@ def test_a_chat_template_that_does_not_compile_is_logged_at_start_and_answers_40
             assert status == 400 and "chat template rejected the messages" in body["error"]["message"], body
             assert post(url, DONE, {"model": MODEL, "prompt": "hi", "max_tokens": 2})[0] == 200
     assert "chat template of splitserve-default does not compile (TemplateSyntaxError" in caplog.text
+
+
+def test_prompt_log_probs_past_one_answers_limit_are_refused(gateway, router, monkeypatch):
+    from splitserve.gateway import completions
+
+    monkeypatch.setattr(completions, "MAX_PROMPT_LOGPROB_ENTRIES", 100)
+    before = len(router.record.requests)
+    code, payload, _ = post(gateway, DONE, {"prompt": list(range(3, 53)), "echo": True, "logprobs": 2, "max_tokens": 1})
+    assert code == 400 and "asks for 150 log-probs, more than the 100 one answer carries" in payload["error"]["message"]
+    assert len(router.record.requests) == before
+    code, _, _ = post(gateway, DONE, {"prompt": list(range(3, 53)), "echo": True, "logprobs": 0, "max_tokens": 1})
+    assert code == 200  # 50 entries

@@ -1,0 +1,71 @@
+"""What a JSON schema costs a decode step: the same batch with and without `json_schema`, side by side.
+
+Runs the embedded model (or `--model`) on CPU, or the GPU with `--gpu`, a batch of `--batch`
+greedy requests, first free text, then guided by a schema whose output can go on for the whole
+budget (an array of integers), and prints decode tokens/s of each and their ratio, then the
+mask's own cost per token (llguidance's mask plus its unpacking, `engine/guided.py::allowed`).
+A guided row is sampled on the host and its step does not run ahead, which the ratio includes.
+
+    python benchmarks/guided.py [--batch 8] [--new-tokens 64] [--gpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
+          "required": ["values"]}  # fmt: skip
+
+
+def _decode_tok_s(llm, prompts, params) -> tuple[float, int]:
+    start = time.perf_counter()
+    results = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r.generated_tokens) for r in results)
+    return tokens / seconds, tokens
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint directory with tokenizer.json (default: the embedded model)")
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3, help="free / guided pairs, alternating")
+    p.add_argument("--gpu", action="store_true")
+    args = p.parse_args()
+
+    from splitserve import LLM, SamplingParams
+    from splitserve.engine.guided import allowed
+
+    options = dict(block_size_tokens=16, num_blocks=1024)
+    if args.gpu:
+        options.update(device="cuda", enable_cuda_graphs=True)
+    llm = LLM(args.model, **options) if args.model else LLM(**options)
+    prompts = [f"Request {i}: list some numbers as JSON." for i in range(args.batch)]
+    free = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, ignore_eos=True)
+    guided = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, json_schema=json.dumps(SCHEMA))
+    llm.generate(prompts, free)  # warm-up: compiles, graphs
+    llm.generate(prompts, guided)
+    rows = []
+    for _ in range(args.rounds):
+        rows.append((_decode_tok_s(llm, prompts, free), _decode_tok_s(llm, prompts, guided)))
+    print(f"# batch {args.batch}, {args.new_tokens} new tokens, {'cuda' if args.gpu else 'cpu'}")
+    print(f"{'round':>5} {'free tok/s':>11} {'guided tok/s':>13} {'guided tokens':>14} {'ratio':>6}")
+    for i, ((f, _), (g, n)) in enumerate(rows):
+        print(f"{i:>5} {f:>11.1f} {g:>13.1f} {n:>14} {g / f:>6.2f}")
+
+    matcher = llm.engine.guides.matcher(json.dumps(SCHEMA), [])
+    vocab = llm.engine.model_config.vocab_size
+    text = llm.engine.tokenizer.encode('{"values": [1, 22, 333, 4444, 55555, 6, 77, 888', add_bos=False)
+    start = time.perf_counter()
+    for token in text:
+        allowed(matcher, vocab)
+        matcher.consume_token(token)
+    per_token = (time.perf_counter() - start) / len(text)
+    print(f"mask + consume per token: {per_token * 1e6:.0f} µs (vocabulary {vocab:,})")
+
+
+if __name__ == "__main__":
+    main()
