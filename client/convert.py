@@ -42,7 +42,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, return_prompt_log_probs=params.return_prompt_log_probs,
-        json_schema=params.json_schema or "",
+        json_schema=params.json_schema or "", grammar=params.grammar or "",
     )  # fmt: skip
     if params.seed is not None:
         message.seed = params.seed

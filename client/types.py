@@ -66,6 +66,8 @@ class SamplingParams:
     """Subtracted once per occurrence of a token in the output so far ([-2, 2])."""
     json_schema: str | None = None
     """The JSON text of a JSON schema the output must follow (`{"type": "object"}`: any JSON object)."""
+    grammar: str | None = None
+    """Or an llguidance Lark grammar it must follow (`%json {...}` embeds a schema)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -98,6 +100,8 @@ class SamplingParams:
         check_penalty("frequency_penalty", self.frequency_penalty)
         if self.json_schema is not None:
             check_schema(self.json_schema)
+        if self.grammar is not None and (self.json_schema is not None or not self.grammar.strip()):
+            raise ValueError(f"grammar must be a non-empty Lark grammar and excludes json_schema, got {self.grammar!r:.80}")
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:

@@ -147,7 +147,7 @@ class Engine:
         eos = (params.termination_id,) if params.termination_id is not None else self.eos_token_ids
         req = Request(request_id, list(prompt_token_ids), params, () if params.ignore_eos else eos, max_new)
         if params.is_guided:  # (ValueError for a schema it cannot compile: before anything is held)
-            req.guide = self.guides.matcher(params.json_schema, req.output_so_far())
+            req.guide = self.guides.matcher(params, req.output_so_far())
         self._requests[request_id] = req
         self._stops[request_id] = StopChecker(req, self.tokenizer)
         return req

@@ -1,5 +1,6 @@
 """Structured output: a request's tokens constrained to a JSON schema (OpenAI's `response_format`
-json_object / json_schema) by a mask of the allowed next tokens at every sampled position.
+json_object / json_schema) or a grammar (llguidance's Lark: the gateway's forced tool calls) by a
+mask of the allowed next tokens at every sampled position.
 
     SamplingParams.json_schema ─▶ Guides.matcher(req) ─▶ req.guide (an llguidance LLMatcher,
                                   the schema compiled for this model's tokenizer, fed the tokens
@@ -64,19 +65,21 @@ class Guides:
 
         file = None if self._dir is None else self._dir / "tokenizer.json"
         if file is None or not file.is_file():
-            raise ValueError("json_schema needs the model's tokenizer.json (the engine runs on token ids only)")
+            raise ValueError("json_schema / grammar need the model's tokenizer.json (this engine runs on token ids only)")
         return llguidance.LLTokenizer(str(file), n_vocab=self.vocab_size, eos_token=self._eos or None)
 
-    def matcher(self, schema: str, output_so_far: list[int]):
-        """A matcher for `schema` that has consumed `output_so_far`. ValueError for a schema the
-        compiler refuses, or output that does not follow it."""
+    def matcher(self, params, output_so_far: list[int]):
+        """A matcher for `params`' json_schema or grammar that has consumed `output_so_far`.
+        ValueError for one the compiler refuses, or output that does not follow it."""
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer, compile_schema(schema), log_level=0)
+        what = "json_schema" if params.json_schema is not None else "grammar"
+        grammar = compile_schema(params.json_schema) if params.json_schema is not None else compile_lark(params.grammar)
+        matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
-            raise ValueError(f"json_schema cannot be compiled: {matcher.get_error()}")
+            raise ValueError(f"{what} cannot be compiled: {matcher.get_error()}")
         if output_so_far and not matcher.consume_tokens(list(output_so_far)):
-            raise ValueError(f"the request's earlier output does not follow its json_schema: {matcher.get_error()}")
+            raise ValueError(f"the request's earlier output does not follow its {what}: {matcher.get_error()}")
         return matcher
 
 
@@ -92,6 +95,21 @@ def compile_schema(schema: str) -> str:
     if error:
         raise ValueError(f"json_schema cannot be compiled: {error}")
     return grammar
+
+
+@functools.lru_cache(maxsize=256)
+def compile_lark(grammar: str) -> str:
+    """An llguidance Lark grammar (`%json {...}` embeds a schema) as an llguidance grammar;
+    ValueError quoting the compiler for one it refuses."""
+    import llguidance
+
+    if not isinstance(grammar, str) or not grammar.strip():
+        raise ValueError(f"grammar must be a non-empty Lark grammar, got {grammar!r:.80}")
+    compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+    error = llguidance.LLMatcher.validate_grammar(compiled)
+    if error:
+        raise ValueError(f"grammar cannot be compiled: {error}")
+    return compiled
 
 
 def allowed(matcher, vocab_size: int) -> torch.Tensor:

@@ -57,6 +57,9 @@ class SamplingParams:
     """The JSON text of a JSON schema the output must follow (OpenAI's `response_format`;
     json_object mode is `{"type": "object"}`): tokens are sampled under a mask of those that keep
     it valid (engine/guided.py). Needs the model's tokenizer."""
+    grammar: str | None = None
+    """Or an llguidance Lark grammar the output must follow (`%json {...}` embeds a schema; the
+    gateway's `tool_choice` "required" / named function), the same way."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop_words, str):
@@ -99,8 +102,10 @@ class SamplingParams:
         wants_logprobs = bool(self.return_log_probs or self.top_n_logprobs)
         if self.json_schema is not None:
             check_schema(self.json_schema)
+        if self.grammar is not None and (self.json_schema is not None or not self.grammar.strip()):
+            raise ValueError(f"grammar must be a non-empty Lark grammar and excludes json_schema, got {self.grammar!r:.80}")
         object.__setattr__(self, "_argmax_only", self.is_greedy and not adjusts and not wants_logprobs
-                           and self.json_schema is None)  # fmt: skip
+                           and not self.is_guided)  # fmt: skip
 
     @classmethod
     def coerce(cls, params: object) -> SamplingParams:
@@ -128,8 +133,8 @@ class SamplingParams:
 
     @property
     def is_guided(self) -> bool:
-        """A json_schema: the row is sampled on the host under its mask (engine/guided.py)."""
-        return self.json_schema is not None
+        """A json_schema or grammar: the row is sampled on the host under its mask (engine/guided.py)."""
+        return self.json_schema is not None or self.grammar is not None
 
     @property
     def argmax_only(self) -> bool:

@@ -42,6 +42,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size()
 
+    def token_id(self, text: str) -> int | None:
+        """The id of `text` when it is one token of the vocabulary (an added token such as Qwen's
+        `<tool_call>`), else None."""
+        return self._tok.token_to_id(text)
+
     def encode(self, text: str, add_bos: bool = True) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id is not None and (not ids or ids[0] != self.bos_token_id):

@@ -76,6 +76,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
         presence_penalty=_exact(msg.presence_penalty),
         frequency_penalty=_exact(msg.frequency_penalty),
         json_schema=msg.json_schema or None,
+        grammar=msg.grammar or None,
     )
 
 
@@ -103,6 +104,7 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         presence_penalty=p.presence_penalty,
         frequency_penalty=p.frequency_penalty,
         json_schema=p.json_schema or "",
+        grammar=p.grammar or "",
     )
     if p.seed is not None:
         msg.seed = p.seed

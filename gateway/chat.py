@@ -13,8 +13,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from splitserve.client import SamplingParams
+from splitserve.engine.guided import compile_lark
 from splitserve.gateway.choice_output import ChoiceOutput, TokenLogprob
 from splitserve.gateway.context import ServingContext
+from splitserve.gateway.errors import bad_request
 from splitserve.gateway.generation import merge, run_choice
 from splitserve.gateway.prompts import chat_prompt, max_new_tokens, starts_in_reasoning
 from splitserve.gateway.reasoning_parser import ReasoningParser
@@ -28,6 +30,7 @@ from splitserve.gateway.responses import (
     usage_dict,
 )
 from splitserve.gateway.sampling import choice_params, stop_strings
+from splitserve.gateway.tool_grammar import tool_call_grammar
 from splitserve.gateway.tool_parser import ToolCallParser
 
 
@@ -115,16 +118,34 @@ class ChatRun:
             parses_tools=ctx.config.tool_call_parser == "hermes" and request.parses_tool_calls,
         )
         stops = stop_strings(request.stop)
+        grammar = self._tool_grammar(request, ctx)
         self.choices = [
             _Choice(
                 i,
                 choice_params(request, budget, i, return_log_probs=request.logprobs,
-                              top_n_logprobs=request.top_logprobs or 0, json_schema=request.json_schema),
+                              top_n_logprobs=request.top_logprobs or 0, json_schema=request.json_schema,
+                              grammar=grammar),
                 ChoiceOutput(ctx.model.tokenizer, ctx.token_texts, prompt.token_ids, stops, request.logprobs),
                 ChatTextParser(**self._parser_options),
             )  # fmt: skip
             for i in range(request.n)
         ]
+
+    @staticmethod
+    def _tool_grammar(request: ChatCompletionRequest, ctx: ServingContext) -> str | None:
+        """The grammar of forced tool calls (tool_choice "required" / a named function), else None."""
+        if not request.forces_tool_calls:
+            return None
+        if ctx.config.tool_call_parser != "hermes":
+            raise bad_request("tool_choice 'required' or a named function needs the gateway's tool-call parser "
+                              "(--tool-call-parser hermes)", "tool_choice")  # fmt: skip
+        try:
+            grammar = tool_call_grammar(request.tools, request.forced_tool_name, request.parallel_tool_calls is not False,
+                                        ctx.model.tokenizer)  # fmt: skip
+            compile_lark(grammar)
+        except ValueError as exc:
+            raise bad_request(str(exc), "tool_choice") from None
+        return grammar
 
     async def _tagged(self, choice: _Choice) -> AsyncIterator[tuple[_Choice, object]]:
         stream = run_choice(self.ctx.client, f"{self.id}-{choice.index}", self.prompt_ids, choice.params, choice.output)

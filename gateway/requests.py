@@ -294,11 +294,9 @@ class ChatCompletionRequest(SamplingFields):
             self.response_format.schema_text()  # refused here, before any work, when malformed
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
-        if self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice):
-            raise bad_request(
-                "tool_choice 'required' or a named function needs guided decoding, which splitserve does not support; "
-                "use 'auto'", "tool_choice", "unsupported_parameter",
-            )  # fmt: skip
+        if self.forces_tool_calls and self.json_schema is not None:
+            raise bad_request("tool_choice 'required' or a named function cannot be combined with a JSON "
+                              "response_format", "response_format")  # fmt: skip
         return self
 
     @property
@@ -309,6 +307,15 @@ class ChatCompletionRequest(SamplingFields):
     def json_schema(self) -> str | None:
         """The schema of `response_format` (None: free text)."""
         return None if self.response_format is None else self.response_format.schema_text()
+
+    @property
+    def forces_tool_calls(self) -> bool:
+        """tool_choice "required" or a named function: the output is tool calls (gateway/tool_grammar.py)."""
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    @property
+    def forced_tool_name(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     @property
     def parses_tool_calls(self) -> bool:

@@ -44,6 +44,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     json_schema: str = ""
     """The schema the output follows ("" = free text): every worker that samples applies it."""
+    grammar: str = ""
+    """Or the Lark grammar it follows, likewise."""
     return_prompt_log_probs: bool = False
     """Asked of whichever worker computes the prompt first (the prefill worker, or the decode worker
     serving aggregated); never of a decode worker that imports a handoff or goes on after sent tokens."""

@@ -72,6 +72,7 @@ def sampling_params_from_proto(message: common_pb2.SamplingParams) -> SamplingPa
         output_offset=message.output_offset, logit_bias=tuple(sorted(message.logit_bias.items())),
         presence_penalty=message.presence_penalty, frequency_penalty=message.frequency_penalty,
         return_prompt_log_probs=message.return_prompt_log_probs, json_schema=message.json_schema,
+        grammar=message.grammar,
     )  # fmt: skip
 
 
@@ -83,7 +84,7 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
         top_n_logprobs=params.top_n_logprobs, output_offset=params.output_offset,
         logit_bias=dict(params.logit_bias), presence_penalty=params.presence_penalty,
         frequency_penalty=params.frequency_penalty, return_prompt_log_probs=params.return_prompt_log_probs,
-        json_schema=params.json_schema,
+        json_schema=params.json_schema, grammar=params.grammar,
     )  # fmt: skip
 
 

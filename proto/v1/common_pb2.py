@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\xd4\x03\n\x0eSamplingParams\x12\x1e\n\x16num_tokens_to_generate\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0ftermination_ids\x18\x06 \x03(\x05\x12\x12\n\nstop_words\x18\x07 \x03(\t\x12\x18\n\x10return_log_probs\x18\x08 \x01(\x08\x12\x16\n\x0etop_n_logprobs\x18\t \x01(\x05\x12\x15\n\routput_offset\x18\n \x01(\x05\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x17return_prompt_log_probs\x18\x0e \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x10TokenTopLogprobs\x12/\n\x0ctop_logprobs\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"Y\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\x12\n\x10IntegrityRequest\"\x94\x02\n\x0fIntegrityReport\x12\r\n\x05is_ok\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_in_use_blocks\x18\x06 \x01(\x05\x12\x19\n\x11num_pinned_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x08 \x01(\x05\x12\x14\n\x0cnum_handoffs\x18\t \x01(\x05\x12\x15\n\rnum_in_flight\x18\n \x01(\x05\x12\x13\n\x0bis_draining\x18\x0b \x01(\x08\x12\x0b\n\x03pid\x18\x0c \x01(\x05*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/common.proto\x12\rsplitserve.v1\"\xe5\x03\n\x0eSamplingParams\x12\x1e\n\x16num_tokens_to_generate\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x17\n\x0ftermination_ids\x18\x06 \x03(\x05\x12\x12\n\nstop_words\x18\x07 \x03(\t\x12\x18\n\x10return_log_probs\x18\x08 \x01(\x08\x12\x16\n\x0etop_n_logprobs\x18\t \x01(\x05\x12\x15\n\routput_offset\x18\n \x01(\x05\x12@\n\nlogit_bias\x18\x0b \x03(\x0b\x32,.splitserve.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x02\x12\x1f\n\x17return_prompt_log_probs\x18\x0e \x01(\x08\x12\x13\n\x0bjson_schema\x18\x0f \x01(\t\x12\x0f\n\x07grammar\x18\x10 \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"C\n\x10TokenTopLogprobs\x12/\n\x0ctop_logprobs\x18\x01 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"Y\n\x0ePromptLogprobs\x12\x10\n\x08logprobs\x18\x01 \x03(\x02\x12\x35\n\x0ctop_logprobs\x18\x02 \x03(\x0b\x32\x1f.splitserve.v1.TokenTopLogprobs\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\"\n\rAbortResponse\x12\x11\n\twas_found\x18\x01 \x01(\x08\"\x12\n\x10IntegrityRequest\"\x94\x02\n\x0fIntegrityReport\x12\r\n\x05is_ok\x18\x01 \x01(\x08\x12\x0f\n\x07problem\x18\x02 \x01(\t\x12\x12\n\nnum_blocks\x18\x03 \x01(\x05\x12\x17\n\x0fnum_free_blocks\x18\x04 \x01(\x05\x12\x19\n\x11num_cached_blocks\x18\x05 \x01(\x05\x12\x19\n\x11num_in_use_blocks\x18\x06 \x01(\x05\x12\x19\n\x11num_pinned_blocks\x18\x07 \x01(\x05\x12\x14\n\x0cnum_requests\x18\x08 \x01(\x05\x12\x14\n\x0cnum_handoffs\x18\t \x01(\x05\x12\x15\n\rnum_in_flight\x18\n \x01(\x05\x12\x13\n\x0bis_draining\x18\x0b \x01(\x08\x12\x0b\n\x03pid\x18\x0c \x01(\x05*?\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_ROLE']._serialized_start=1096
-  _globals['_ROLE']._serialized_end=1159
-  _globals['_FINISHREASON']._serialized_start=1161
-  _globals['_FINISHREASON']._serialized_end=1281
+  _globals['_ROLE']._serialized_start=1113
+  _globals['_ROLE']._serialized_end=1176
+  _globals['_FINISHREASON']._serialized_start=1178
+  _globals['_FINISHREASON']._serialized_end=1298
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=514
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=457
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=505
-  _globals['_TOPLOGPROB']._serialized_start=516
-  _globals['_TOPLOGPROB']._serialized_end=563
-  _globals['_TOKENTOPLOGPROBS']._serialized_start=565
-  _globals['_TOKENTOPLOGPROBS']._serialized_end=632
-  _globals['_PROMPTLOGPROBS']._serialized_start=634
-  _globals['_PROMPTLOGPROBS']._serialized_end=723
-  _globals['_ABORTREQUEST']._serialized_start=725
-  _globals['_ABORTREQUEST']._serialized_end=759
-  _globals['_ABORTRESPONSE']._serialized_start=761
-  _globals['_ABORTRESPONSE']._serialized_end=795
-  _globals['_INTEGRITYREQUEST']._serialized_start=797
-  _globals['_INTEGRITYREQUEST']._serialized_end=815
-  _globals['_INTEGRITYREPORT']._serialized_start=818
-  _globals['_INTEGRITYREPORT']._serialized_end=1094
+  _globals['_SAMPLINGPARAMS']._serialized_end=531
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=474
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=522
+  _globals['_TOPLOGPROB']._serialized_start=533
+  _globals['_TOPLOGPROB']._serialized_end=580
+  _globals['_TOKENTOPLOGPROBS']._serialized_start=582
+  _globals['_TOKENTOPLOGPROBS']._serialized_end=649
+  _globals['_PROMPTLOGPROBS']._serialized_start=651
+  _globals['_PROMPTLOGPROBS']._serialized_end=740
+  _globals['_ABORTREQUEST']._serialized_start=742
+  _globals['_ABORTREQUEST']._serialized_end=776
+  _globals['_ABORTRESPONSE']._serialized_start=778
+  _globals['_ABORTRESPONSE']._serialized_end=812
+  _globals['_INTEGRITYREQUEST']._serialized_start=814
+  _globals['_INTEGRITYREQUEST']._serialized_end=832
+  _globals['_INTEGRITYREPORT']._serialized_start=835
+  _globals['_INTEGRITYREPORT']._serialized_end=1111
 # @@protoc_insertion_point(module_scope)

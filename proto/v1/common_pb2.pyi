@@ -28,7 +28,7 @@ FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
 
 class SamplingParams(_message.Message):
-    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset", "logit_bias", "presence_penalty", "frequency_penalty", "return_prompt_log_probs", "json_schema")
+    __slots__ = ("num_tokens_to_generate", "temperature", "top_k", "top_p", "seed", "termination_ids", "stop_words", "return_log_probs", "top_n_logprobs", "output_offset", "logit_bias", "presence_penalty", "frequency_penalty", "return_prompt_log_probs", "json_schema", "grammar")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class SamplingParams(_message.Message):
     FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
     RETURN_PROMPT_LOG_PROBS_FIELD_NUMBER: _ClassVar[int]
     JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     num_tokens_to_generate: int
     temperature: float
     top_k: int
@@ -66,7 +67,8 @@ class SamplingParams(_message.Message):
     frequency_penalty: float
     return_prompt_log_probs: bool
     json_schema: str
-    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., return_prompt_log_probs: _Optional[bool] = ..., json_schema: _Optional[str] = ...) -> None: ...
+    grammar: str
+    def __init__(self, num_tokens_to_generate: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., termination_ids: _Optional[_Iterable[int]] = ..., stop_words: _Optional[_Iterable[str]] = ..., return_log_probs: _Optional[bool] = ..., top_n_logprobs: _Optional[int] = ..., output_offset: _Optional[int] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., return_prompt_log_probs: _Optional[bool] = ..., json_schema: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class TopLogprob(_message.Message):
     __slots__ = ("token_id", "logprob")

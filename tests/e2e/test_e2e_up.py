@@ -215,6 +215,34 @@ def test_tools_are_accepted(oai):
     assert out.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_forced_tool_calls_follow_their_tools_schemas(oai):
+    """tool_choice "required" / a named function: the output is Hermes tool calls whose arguments
+    follow the tool's parameters (gateway/tool_grammar.py), parsed into `tool_calls`; streamed
+    deltas add up to the whole answer's call."""
+    weather = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+               "required": ["city", "unit"], "additionalProperties": False}  # fmt: skip
+    clock = {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 6}}, "required": ["tz"],
+             "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": weather}},
+             {"type": "function", "function": {"name": "get_time", "parameters": clock}}]
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_time"}}
+    for choice, names in (("required", {"get_weather", "get_time"}), (named, {"get_time"})):
+        out = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=choice,
+                                          parallel_tool_calls=False, max_tokens=80, temperature=0)  # fmt: skip
+        answer = out.choices[0]
+        assert answer.finish_reason == "tool_calls" and len(answer.message.tool_calls) == 1, answer
+        call = answer.message.tool_calls[0]
+        arguments = json.loads(call.function.arguments)
+        assert call.function.name in names
+        assert set(arguments) == set((weather if call.function.name == "get_weather" else clock)["required"])
+    stream = oai.chat.completions.create(model=MODEL, messages=messages, tools=tools, tool_choice=named,
+                                         parallel_tool_calls=False, max_tokens=80, temperature=0, stream=True)  # fmt: skip
+    pieces = [d for chunk in stream if chunk.choices for d in chunk.choices[0].delta.tool_calls or []]
+    assert "".join(d.function.arguments or "" for d in pieces) == call.function.arguments
+    assert [d.function.name for d in pieces if d.function.name] == ["get_time"]
+
+
 def test_sdk_sync_async_stream_and_abort(cluster):
     params = SamplingParams(num_tokens_to_generate=8, temperature=0)
     with Client(cluster["router"], tokenizer="default") as client:

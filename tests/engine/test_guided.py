@@ -89,8 +89,25 @@ def test_bad_schemas_and_models_without_a_tokenizer_are_refused(llm, llama_ckpt)
         compile_schema('{"type": "object", "minProperties": 3, "maxProperties": 1}')
     llm.engine.check_integrity()  # nothing held by the refused requests
     bare = LLM(str(llama_ckpt), block_size_tokens=8, num_blocks=64)  # token ids only: no tokenizer.json
-    with pytest.raises(ValueError, match="needs the model's tokenizer.json"):
+    with pytest.raises(ValueError, match="need the model.s tokenizer.json"):
         bare.generate([[5, 6, 7]], SamplingParams(json_schema='{"type": "object"}'))
+
+
+def test_a_lark_grammar_guides_as_a_schema_does(llm):
+    """`grammar` (llguidance Lark, as the gateway's forced tool calls use): only its sentences come
+    out, with a schema embedded by `%json`."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["n"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}
+    grammar = f'start: ("yes" | "no") " " %json {json.dumps(schema)}'
+    params = SamplingParams(num_tokens_to_generate=40, temperature=1.0, seed=3, grammar=grammar)
+    for result in llm.generate(PROMPTS, params):
+        word, _, rest = result.generated_text.partition(" ")
+        assert result.status == "stopped" and word in ("yes", "no") and isinstance(json.loads(rest)["n"], int)
+    with pytest.raises(ValueError, match="excludes json_schema"):
+        SamplingParams(grammar="start: \"a\"", json_schema="{}")
+    with pytest.raises(ValueError, match="grammar cannot be compiled"):
+        llm.generate(["x"], SamplingParams(grammar="start: undefined_rule"))
+    llm.engine.check_integrity()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device paths (graphs, device sampler, run-ahead) need a GPU")

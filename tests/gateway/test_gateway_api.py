@@ -201,6 +201,15 @@ def test_openai_fields_become_sampling_params(gateway, router):
         assert post(gateway, "/v1/chat/completions", {**chat, "response_format": response_format})[0] == 200
         p = _last_request(router).sampling_params
         assert (json.loads(p.json_schema) if p.json_schema else None) == sent
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},
+             {"type": "function", "function": {"name": "g"}}]
+    for tool_choice, parallel, names in (("required", True, ["f", "g"]), ({"type": "function", "function": {"name": "g"}}, True, ["g"])):
+        body = {**chat, "tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel}
+        assert post(gateway, "/v1/chat/completions", body)[0] == 200
+        grammar = _last_request(router).sampling_params.grammar
+        assert grammar.startswith("start: call") and "%json" in grammar and '"<tool_call>"' in grammar
+        assert [n for n in ("f", "g") if f'"const": "{n}"' in grammar] == names
+        assert ('("\\n" call)*' in grammar) == (names == ["f", "g"])  # several calls: "required" only
     assert post(gateway, "/v1/completions", {"prompt": "x", "echo": True, "logprobs": 2, "max_tokens": 0})[0] == 200
     p = _last_request(router).sampling_params  # scoring: one token generated (dropped), the prompt's log-probs
     assert (p.num_tokens_to_generate, p.return_log_probs, p.return_prompt_log_probs, p.top_n_logprobs) == (1, True, True, 2)
