@@ -2,7 +2,7 @@
 
 Runs the embedded model (or `--model`) on CPU, or the GPU with `--gpu`, a batch of `--batch`
 greedy requests, first free text, then guided by a schema whose output can go on for the whole
-budget (an array of integers), and prints decode tokens/s of each and their ratio, then the
+budget (an array of at least that many digits), and prints decode tokens/s of each and their ratio, then the
 mask's own cost per token (llguidance's mask plus its unpacking, `engine/guided.py::allowed`).
 A guided row is sampled on the host and its step does not run ahead, which the ratio includes.
 
@@ -15,8 +15,12 @@ import argparse
 import json
 import time
 
-SCHEMA = {"type": "object", "properties": {"values": {"type": "array", "items": {"type": "integer"}}},
-          "required": ["values"]}  # fmt: skip
+
+def schema(new_tokens: int) -> dict:
+    """An array of at least `new_tokens` one-digit integers: the output runs to the token budget."""
+    items = {"type": "integer", "minimum": 0, "maximum": 9}
+    return {"type": "object", "properties": {"values": {"type": "array", "items": items, "minItems": new_tokens}},
+            "required": ["values"]}  # fmt: skip
 
 
 def _decode_tok_s(llm, prompts, params) -> tuple[float, int]:
@@ -45,7 +49,7 @@ def main() -> None:
     llm = LLM(args.model, **options) if args.model else LLM(**options)
     prompts = [f"Request {i}: list some numbers as JSON." for i in range(args.batch)]
     free = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, ignore_eos=True)
-    guided = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, json_schema=json.dumps(SCHEMA))
+    guided = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, json_schema=json.dumps(schema(args.new_tokens)))
     llm.generate(prompts, free)  # warm-up: compiles, graphs
     llm.generate(prompts, guided)
     rows = []
@@ -56,7 +60,7 @@ def main() -> None:
     for i, ((f, _), (g, n)) in enumerate(rows):
         print(f"{i:>5} {f:>11.1f} {g:>13.1f} {n:>14} {g / f:>6.2f}")
 
-    matcher = llm.engine.guides.matcher(json.dumps(SCHEMA), [])
+    matcher = llm.engine.guides.matcher(guided, [])
     vocab = llm.engine.model_config.vocab_size
     text = llm.engine.tokenizer.encode('{"values": [1, 22, 333, 4444, 55555, 6, 77, 888', add_bos=False)
     start = time.perf_counter()
