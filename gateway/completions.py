@@ -64,10 +64,11 @@ class CompletionRun:
         self.score_only = request.max_tokens == 0
         """max_tokens 0 (echo): the prompt alone; the one token generated is dropped."""
         if wants_logprobs and request.echo:
-            entries = max(len(p.token_ids) for p in prompts) * (1 + (request.logprobs or 0))
+            longest = max(len(p.token_ids) for p in prompts)
+            entries = longest * (1 + (request.logprobs or 0))
             if entries > MAX_PROMPT_LOGPROB_ENTRIES:
                 raise bad_request(
-                    f"echo with logprobs={request.logprobs} on a {max(len(p.token_ids) for p in prompts)}-token prompt "
+                    f"echo with logprobs={request.logprobs} on a {longest}-token prompt "
                     f"asks for {entries:,} log-probs, more than the {MAX_PROMPT_LOGPROB_ENTRIES:,} one answer carries; "
                     "ask fewer alternatives or split the prompt", "logprobs")  # fmt: skip
         for p, prompt in enumerate(prompts):
@@ -110,7 +111,7 @@ class CompletionRun:
         async for choice, delta in merge([self._tagged(c) for c in self.choices]):
             if delta is None:
                 text = choice.echo if choice.offset == 0 else ""  # echo of a choice that produced no text
-                yield self._chunk(choice, text, None, choice.output.finish_reason, include_usage)
+                yield self._chunk(choice, text, None, self._finish_reason(choice), include_usage)
                 continue
             delta = self._generated(delta)
             text = delta.text
@@ -140,6 +141,9 @@ class CompletionRun:
             per_prompt = [[replace(u, completion_tokens=0) for u in usages] for usages in per_prompt]
         return total_usage(self.prompt_lens, per_prompt)
 
+    def _finish_reason(self, choice: _Choice) -> str | None:
+        return "length" if self.score_only else choice.output.finish_reason  # scoring: the budget was 0
+
     def _generated(self, delta: ChoiceDelta) -> ChoiceDelta:
         """The delta as the client sees it: with max_tokens 0, no generated text or entries."""
         return ChoiceDelta("", [], delta.prompt_logprobs) if self.score_only else delta
@@ -156,7 +160,7 @@ class CompletionRun:
             logprobs = echoed_logprobs(choice.prompt_logprobs, choice.logprobs, len(choice.echo))
         return {
             "index": choice.index, "text": text, "logprobs": logprobs,
-            "finish_reason": "length" if self.score_only else choice.output.finish_reason,
+            "finish_reason": self._finish_reason(choice),
         }  # fmt: skip
 
     def _chunk(self, choice: _Choice, text: str, logprobs, finish_reason, include_usage: bool) -> dict:

@@ -130,6 +130,8 @@ def test_prompt_log_probs_from_either_worker_match_transformers(cluster, tmp_pat
             assert torch.allclose(torch.tensor(lps[1 : len(prompt)]), expected, atol=1e-4), (max_tokens, stream)
             for pos, top in enumerate(tops[1 : len(prompt)]):  # keyed by text: ids past the tokenizer's are all ""
                 assert top and all((top_values[pos] - v).abs().min() < 1e-4 for v in top.values())
+            finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+            assert len(finishes) == 1 and (max_tokens or finishes == ["length"])  # scoring: the budget was 0
             text = "".join(c.choices[0].text for c in chunks if c.choices)
             assert text.startswith(echo) and (max_tokens or text == echo)
             if not stream:
