@@ -4,7 +4,7 @@ launched step into each chunk's result on every rank.
 
 `StepSampling` is the sampling half of `ModelRunner` (engine/model_runner.py), which builds and
 runs the forward pass; it uses the runner's `config`, `ps`, `model` (`compute_logits`),
-`device`, `graphs`, `logit_slots`, `_triton_argmax`, `_draws_at_launch`, `_base_seeds` and
+`device`, `graphs`, `logit_slots` (and its `vocab`), `_triton_argmax`, `_draws_at_launch`, `_base_seeds` and
 `_seed_source`.
 """
 
@@ -35,6 +35,9 @@ from splitserve.engine.step_logprobs import (
 )
 from splitserve.engine.step_logprobs import compute as compute_logprobs
 from splitserve.engine.step_logprobs import finish as finish_logprobs
+
+PROMPT_LOGITS_ELEMENTS = 1 << 25
+"""Logits computed at once for a chunk's prompt log-probs: 128 MiB of fp32 (256 rows of a 128k vocabulary)."""
 
 
 def greedy_ids(logits: torch.Tensor, triton: bool) -> torch.Tensor:
@@ -188,28 +191,48 @@ class StepSampling:
         rows: list[int] = []
         offset = 0
         spans: list[tuple[int, int]] = []  # rows of each chunk in `logits`
-        for chunk in out.chunks:
+        prompt: dict[int, tuple[list[float], list[dict[int, float]]]] = {}
+        for i, chunk in enumerate(out.chunks):
             first = len(rows)
             if chunk.request.wants_prompt_log_probs and chunk.start < chunk.request.prompt_len:
-                rows.extend(range(offset, offset + chunk.num_tokens))
-            elif chunk.is_sample:
+                prompt[i] = self._prompt_logprobs(chunk, hidden[offset:offset + chunk.num_tokens])
+            if chunk.is_sample:
                 rows.append(offset + chunk.num_tokens - 1)
             spans.append((first, len(rows)))
             offset += chunk.num_tokens
         logits = self.model.compute_logits(hidden[rows]) if rows else None
-        return self._sample_logits(out, logits, spans)
+        return self._sample_logits(out, logits, spans, prompt=prompt)
+
+    def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> tuple[list[float], list[dict[int, float]]]:
+        """The log-probs of the prompt tokens that follow a prefill chunk's positions (and their
+        top N), from its hidden states [num_tokens, hidden], computed `PROMPT_LOGITS_ELEMENTS`
+        logits at a time: a 2048-token chunk of a 128k vocabulary is 1 GiB of fp32 logits (2 with
+        its log-softmax), which a serving engine must not allocate for one request's echo."""
+        req = chunk.request
+        targets = req.token_slice(chunk.start + 1, min(chunk.start + chunk.num_tokens + 1, req.prompt_len))
+        rows = max(1, PROMPT_LOGITS_ELEMENTS // self.logit_slots.vocab)
+        chosen: list[float] = []
+        tops: list[dict[int, float]] = []
+        for at in range(0, len(targets), rows):
+            part, top = prompt_logprobs(self.model.compute_logits(hidden[at:at + rows]), targets[at:at + rows],
+                                        req.params.top_n_logprobs)
+            chosen += part
+            tops += top
+        return chosen, tops
 
     def _sample_logits(
         self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
         drawn: frozenset[int] = frozenset(), adjusted: frozenset[int] = frozenset(),
         logprobs: StepLogprobs | None = None,
+        prompt: dict[int, tuple[list[float], list[dict[int, float]]]] | None = None,
     ) -> list[ChunkResult]:
         """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
         `greedy`: their argmax when the step already computed it (a CUDA graph), with the
         tokens of the `drawn` chunks' rows drawn at launch in place of theirs; `adjusted`: rows
         whose bias / penalties are already in `logits` (the others are adjusted here first);
         `logprobs`: rows' log-probs computed at launch (the others that qualify are computed
-        here the same way: engine/step_logprobs.py)."""
+        here the same way: engine/step_logprobs.py); `prompt`: chunk i's prompt log-probs and top N,
+        computed from its hidden states (`_prompt_logprobs`)."""
         if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
             late = adjusted_rows(out.chunks, skip=adjusted)
             if late:
@@ -232,7 +255,7 @@ class StepSampling:
                                             to_device(tokens, torch.long, logits.device),
                                             [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
         results = []
-        for i, (chunk, (first, last)) in enumerate(zip(out.chunks, spans, strict=True)):
+        for i, (chunk, (_, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
             sample = None
             params = req.params
@@ -245,12 +268,7 @@ class StepSampling:
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
                                     req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted,
                                     allowed=None if req.guide is None else allowed(req.guide, logits.shape[-1]))
-            plp: list[float] = []
-            ptop: list[dict[int, float]] = []
-            if req.wants_prompt_log_probs and chunk.start < req.prompt_len:
-                end = min(chunk.start + chunk.num_tokens + 1, req.prompt_len)
-                plp, ptop = prompt_logprobs(logits[first:last], req.token_slice(chunk.start + 1, end),
-                                            params.top_n_logprobs)  # fmt: skip
+            plp, ptop = (prompt or {}).get(i, ((), ()))
             results.append(ChunkResult(req.request_id, sample, tuple(plp), tuple(ptop)))
         return results
 

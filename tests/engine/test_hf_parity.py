@@ -85,6 +85,30 @@ def test_greedy_tokens_and_logprobs_match_transformers(case):
     llm.engine.check_integrity()
 
 
+def test_prompt_log_probs_are_computed_a_bounded_number_of_rows_at_a_time(case, monkeypatch):
+    """A long prompt's echo must not allocate a whole chunk's logits: with room for 5 rows of the
+    vocabulary the prompt log-probs and top N come from blocks of at most 5 rows, equal to
+    transformers' as before."""
+    from splitserve.engine import step_sampling
+
+    path, prompts, refs = case
+    llm = LLM(path, block_size_tokens=8, num_blocks=256, max_tokens=48)
+    vocab = llm.engine.runner.logit_slots.vocab
+    monkeypatch.setattr(step_sampling, "PROMPT_LOGITS_ELEMENTS", 5 * vocab + vocab // 2)
+    model = llm.engine.runner.model
+    widest = []
+    compute = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda h: (widest.append(h.shape[0]), compute(h))[1])
+    params = SamplingParams(num_tokens_to_generate=2, temperature=0.0, ignore_eos=True, return_log_probs=True,
+                            top_n_logprobs=3)
+    for prompt, res, (_, _, prompt_lp) in zip(prompts, llm.generate(prompts, params), refs, strict=True):
+        expected = prompt_lp[:-1].gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(res.prompt_log_probs), expected, atol=1e-4)
+        values, ids = prompt_lp[:-1].topk(3)
+        assert [list(top) for top in res.prompt_top_logprobs] == ids.tolist()
+    assert widest and max(widest) == 5, widest
+
+
 @pytest.mark.parametrize("chunked", [True, False])
 @pytest.mark.parametrize("caching", [True, False])
 def test_chunked_prefill_and_prefix_caching_do_not_change_tokens(case, chunked, caching):
