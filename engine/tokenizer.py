@@ -37,6 +37,14 @@ class Tokenizer:
             self.chat_template = named.get("default")
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self._special_ids: frozenset[int] | None = None
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        """Ids of the special added tokens (BOS, EOS, chat markers): `decode` leaves them out."""
+        if self._special_ids is None:
+            self._special_ids = frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+        return self._special_ids
 
     @property
     def vocab_size(self) -> int:

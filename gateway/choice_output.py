@@ -25,6 +25,10 @@ class TokenTexts:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
 
+    def in_text(self, token_id: int) -> bool:
+        """Whether the token's text is part of the decoded text (special tokens are left out)."""
+        return token_id not in self._tokenizer.special_ids
+
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
         if text is None:
@@ -39,6 +43,9 @@ class TokenLogprob:
     """None only for a prompt's first token (nothing before it)."""
     top: tuple[tuple[str, float], ...] | None
     """Alternatives (token text, log-prob), most likely first; None with `logprob`."""
+    in_text: bool = True
+    """False for a special token (BOS, EOS): the decoded text leaves it out, so it takes no
+    characters of `text_offset`."""
 
 
 @dataclass
@@ -100,7 +107,8 @@ class ChoiceOutput:
 
     def _entry(self, token_id: int, chunk: StreamChunk, i: int) -> TokenLogprob:
         top = chunk.top_logprobs[i] if i < len(chunk.top_logprobs) else {}
-        return TokenLogprob(self._token_texts(token_id), chunk.logprobs[i], self._alternatives(top))
+        return TokenLogprob(self._token_texts(token_id), chunk.logprobs[i], self._alternatives(top),
+                            self._token_texts.in_text(token_id))
 
     def _alternatives(self, top) -> tuple[tuple[str, float], ...]:
         return tuple((self._token_texts(t), lp) for t, lp in sorted(top.items(), key=lambda kv: -kv[1]))
@@ -109,9 +117,10 @@ class ChoiceOutput:
         """The prompt tokens' entries: the first has no log-prob (OpenAI's null), each later one
         its log-prob given those before it, and its alternatives when asked for."""
         ids, lps, tops = self._prompt_ids, chunk.prompt_log_probs, chunk.prompt_top_logprobs
-        entries = [TokenLogprob(self._token_texts(ids[0]), None, None)] if ids else []
+        texts = self._token_texts
+        entries = [TokenLogprob(texts(ids[0]), None, None, texts.in_text(ids[0]))] if ids else []
         for i, token_id in enumerate(ids[1:]):
             top = tops[i] if i < len(tops) else {}
-            entries.append(TokenLogprob(self._token_texts(token_id), lps[i] if i < len(lps) else None,
-                                        self._alternatives(top)))  # fmt: skip
+            entries.append(TokenLogprob(texts(token_id), lps[i] if i < len(lps) else None, self._alternatives(top),
+                                        texts.in_text(token_id)))  # fmt: skip
         return entries

@@ -32,11 +32,12 @@ def total_usage(prompt_lens: Sequence[int], choice_usages: Sequence[Sequence[Usa
 
 
 def completion_logprobs(entries: Sequence[TokenLogprob], first_offset: int) -> dict:
-    """The legacy completions shape: parallel lists, `text_offset` into the choice's text."""
+    """The legacy completions shape: parallel lists, `text_offset` into the choice's text (a
+    special token, which the text leaves out, takes no characters of it)."""
     offsets, offset = [], first_offset
     for entry in entries:
         offsets.append(offset)
-        offset += len(entry.token)
+        offset += len(entry.token) if entry.in_text else 0
     return {
         "tokens": [e.token for e in entries],
         "token_logprobs": [e.logprob for e in entries],
