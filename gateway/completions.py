@@ -6,7 +6,8 @@ Each choice is one router request (`<id>-<choice index>`); choice index
 `echo` with `logprobs` returns the prompt tokens' log-probs before the generated ones (the
 first prompt token's is null), computed by the worker that computes the prompt; `max_tokens: 0`
 with `echo` scores the prompt alone, as evaluation harnesses ask (one token is generated and
-dropped: the engine samples at the prompt's end anyway).
+dropped: the engine samples at the prompt's end anyway). `response_format` is taken here as on
+chat (an extension of OpenAI's completions, as vLLM's): the output follows the JSON schema.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ class CompletionRun:
             for i in range(request.n):
                 params = choice_params(
                     request, budget, i, return_log_probs=wants_logprobs, top_n_logprobs=request.logprobs or 0,
-                    return_prompt_log_probs=wants_logprobs and request.echo,
+                    return_prompt_log_probs=wants_logprobs and request.echo, json_schema=request.json_schema,
                 )
                 output = ChoiceOutput(ctx.model.tokenizer, ctx.token_texts, prompt.token_ids, stops, wants_logprobs)
                 self.choices.append(_Choice(p * request.n + i, p, prompt.token_ids, echo, params, output))

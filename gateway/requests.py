@@ -48,6 +48,37 @@ def _check_stop(value: Any) -> Any:
     )
 
 
+class JsonSchemaFormat(_Strict):
+    name: str = Field(default="response", max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+    def schema_text(self) -> str | None:
+        """The JSON schema the output must follow (engine/guided.py), None for free text.
+        APIError for an unknown type or a json_schema format without its schema."""
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            if self.json_schema is None or self.json_schema.schema_ is None:
+                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
+            schema = json.dumps(self.json_schema.schema_)
+            try:
+                compile_schema(schema)
+            except ValueError as exc:
+                raise bad_request(str(exc), "response_format") from None
+            return schema
+        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}",
+                          "response_format")  # fmt: skip
+
+
 class SamplingFields(_Strict):
     """What completions and chat share."""
 
@@ -67,6 +98,8 @@ class SamplingFields(_Strict):
     logit_bias: dict[str, float] | None = Field(
         default=None, description=f"Token id (a string) → bias in [-100, 100] added to its logit; at most {MAX_LOGIT_BIAS}.")
     user: str | None = None
+    response_format: ResponseFormat | None = Field(
+        default=None, description="text, json_object or json_schema: the output follows it (completions too, as vLLM).")
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -77,7 +110,14 @@ class SamplingFields(_Strict):
     def _unsupported(self):
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options is only allowed with stream: true", "stream_options")
+        if self.response_format is not None:
+            self.response_format.schema_text()  # refused here, before any work, when malformed
         return self
+
+    @property
+    def json_schema(self) -> str | None:
+        """The schema of `response_format` (None: free text)."""
+        return None if self.response_format is None else self.response_format.schema_text()
 
     @field_validator("logit_bias", mode="after")
     @classmethod
@@ -225,37 +265,6 @@ class ChatMessage(_Strict):
         return "".join(part.text for part in self.content)
 
 
-class JsonSchemaFormat(_Strict):
-    name: str = Field(default="response", max_length=64)
-    description: str | None = None
-    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
-    strict: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: str
-    json_schema: JsonSchemaFormat | None = None
-
-    def schema_text(self) -> str | None:
-        """The JSON schema the output must follow (engine/guided.py), None for free text.
-        APIError for an unknown type or a json_schema format without its schema."""
-        if self.type == "text":
-            return None
-        if self.type == "json_object":
-            return '{"type": "object"}'
-        if self.type == "json_schema":
-            if self.json_schema is None or self.json_schema.schema_ is None:
-                raise bad_request("response_format json_schema needs json_schema.schema", "response_format")
-            schema = json.dumps(self.json_schema.schema_)
-            try:
-                compile_schema(schema)
-            except ValueError as exc:
-                raise bad_request(str(exc), "response_format") from None
-            return schema
-        raise bad_request(f"response_format type must be 'text', 'json_object' or 'json_schema', got {self.type!r}",
-                          "response_format")  # fmt: skip
-
-
 class NamedFunction(_Strict):
     name: str
 
@@ -276,7 +285,6 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(default=None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = Field(default=None, description="Extra: variables for the chat template.")
     add_generation_prompt: bool = True
 
@@ -290,8 +298,6 @@ class ChatCompletionRequest(SamplingFields):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise bad_request("max_tokens and max_completion_tokens differ; give one", "max_completion_tokens")
-        if self.response_format is not None:
-            self.response_format.schema_text()  # refused here, before any work, when malformed
         if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
             raise bad_request("tool_choice needs tools", "tool_choice")
         if self.forces_tool_calls and self.json_schema is not None:
@@ -302,11 +308,6 @@ class ChatCompletionRequest(SamplingFields):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
-    @property
-    def json_schema(self) -> str | None:
-        """The schema of `response_format` (None: free text)."""
-        return None if self.response_format is None else self.response_format.schema_text()
 
     @property
     def forces_tool_calls(self) -> bool:

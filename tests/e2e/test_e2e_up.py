@@ -164,7 +164,7 @@ def test_streaming_with_usage_and_n(oai):
 def test_structured_output_through_the_cluster_equals_llm(oai, cluster, llm):
     """response_format: the prefill worker samples the first token and the decode worker the rest,
     each under the schema's mask (the decode worker's matcher fed the imported token) = one engine's
-    guided output; sampled chat choices follow the schema too; a schema that cannot compile is a 400."""
+    guided output (through the SDK and /v1/completions); sampled chat choices follow the schema too; a schema that cannot compile is a 400."""
     from splitserve import SamplingParams as EngineParams
 
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
@@ -176,6 +176,9 @@ def test_structured_output_through_the_cluster_equals_llm(oai, cluster, llm):
     with eval(cluster["sdk_line"], {"splitserve": splitserve}) as client:
         [got] = client.generate([prompt], SamplingParams(num_tokens_to_generate=60, temperature=0, json_schema=text))
     assert got.generated_tokens == tuple(want.generated_tokens) and got.routing.prefill_worker_id
+    completion = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=60, temperature=0, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "person", "schema": schema}}})  # an extension, as vLLM's
+    assert completion.choices[0].text == want.generated_text
     messages = [{"role": "user", "content": "Describe a person."}]
     chat = oai.chat.completions.create(model=MODEL, messages=messages, max_tokens=80, n=3, temperature=1.0, seed=2,
                                        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": schema}})  # fmt: skip

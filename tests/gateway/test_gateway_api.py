@@ -2,6 +2,7 @@
 scripted router: response shapes, streaming, n, batches, echo, log-probs, stop strings, tool calls,
 reasoning, usage and cached tokens, how OpenAI fields become sampling params, router errors."""
 
+import itertools
 import json
 import time
 
@@ -197,8 +198,9 @@ def test_openai_fields_become_sampling_params(gateway, router):
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
     formats = [({"type": "json_object"}, {"type": "object"}), ({"type": "text"}, None),
                ({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": True}}, schema)]
-    for response_format, sent in formats:
-        assert post(gateway, "/v1/chat/completions", {**chat, "response_format": response_format})[0] == 200
+    for (path, body), (response_format, sent) in itertools.product(
+            (("/v1/chat/completions", chat), ("/v1/completions", {"prompt": "x"})), formats):  # fmt: skip
+        assert post(gateway, path, {**body, "response_format": response_format})[0] == 200
         p = _last_request(router).sampling_params
         assert (json.loads(p.json_schema) if p.json_schema else None) == sent
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},

@@ -103,6 +103,8 @@ CASES = [
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema"}}, 400, "needs json_schema.schema"),
     (CHAT, {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
      400, "json_schema cannot be compiled: Invalid type: nonsense"),
+    ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nonsense"}}}},
+     400, "json_schema cannot be compiled: Invalid type: nonsense"),
     (CHAT, {"messages": USER, "chat_template_kwargs": {"messages": []}}, 400, "may not set"),
     (CHAT, {"messages": USER, "chat_template_kwargs": "x"}, 400, "chat_template_kwargs"),
 ]
