@@ -3,7 +3,8 @@
 Runs the embedded model (or `--model`) on CPU, or the GPU with `--gpu`, a batch of `--batch`
 greedy requests, first free text, then guided by a schema whose output can go on for the whole
 budget (an array of at least that many digits), and prints decode tokens/s of each and their ratio, then the
-mask's own cost per token (llguidance's mask plus its unpacking, `engine/guided.py::allowed`).
+masks' own cost: one row's mask and its token consumed, and a whole batch's masks at once (llguidance's
+executor, then unpacked on the device: `engine/guided.py::StepMasks`).
 A guided row is sampled on the host and its step does not run ahead, which the ratio includes.
 
     python benchmarks/guided.py [--batch 8] [--new-tokens 64] [--gpu]
@@ -14,6 +15,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+
+import torch
 
 
 def schema(new_tokens: int) -> dict:
@@ -41,7 +44,7 @@ def main() -> None:
     args = p.parse_args()
 
     from splitserve import LLM, SamplingParams
-    from splitserve.engine.guided import allowed
+    from splitserve.engine.guided import StepMasks
 
     options = dict(block_size_tokens=16, num_blocks=1024)
     if args.gpu:
@@ -63,12 +66,21 @@ def main() -> None:
     matcher = llm.engine.guides.matcher(guided, [])
     vocab = llm.engine.model_config.vocab_size
     text = llm.engine.tokenizer.encode('{"values": [1, 22, 333, 4444, 55555, 6, 77, 888', add_bos=False)
+    device = llm.engine.runner.device
     start = time.perf_counter()
     for token in text:
-        allowed(matcher, vocab)
+        StepMasks({0: matcher}, vocab).rows(device)
         matcher.consume_token(token)
     per_token = (time.perf_counter() - start) / len(text)
-    print(f"mask + consume per token: {per_token * 1e6:.0f} µs (vocabulary {vocab:,})")
+    print(f"one row: mask + consume per token: {per_token * 1e6:.0f} µs (vocabulary {vocab:,})")
+    matchers = {i: llm.engine.guides.matcher(guided, text[: i % len(text)]) for i in range(args.batch)}
+    StepMasks(matchers, vocab).rows(device)
+    start = time.perf_counter()
+    for _ in range(20):
+        StepMasks(matchers, vocab).rows(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"a batch of {args.batch}: masks per step {(time.perf_counter() - start) / 20 * 1e6:.0f} µs")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from splitserve.engine.device_sampler import (
     sampled_rows,
 )
 from splitserve.engine.devices import to_device
-from splitserve.engine.guided import allowed
+from splitserve.engine.guided import StepMasks
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
 from splitserve.engine.scheduler import SchedulerOutput
@@ -72,6 +72,8 @@ class PendingStep:
     logprobs: StepLogprobs | None = None
     """Log-probs of the rows that want them, computed at launch (engine/step_logprobs.py)."""
     ready: torch.cuda.Event | None = None
+    masks: StepMasks | None = None
+    """The driver's guided rows' masks, being filled while the step runs (engine/guided.py)."""
     layer_marks: Callable[[], None] | None = None
     """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
     (engine/handoff_layerwise.py `DeviceLayerMarks.drain`); `collect` calls it first."""
@@ -182,12 +184,19 @@ class StepSampling:
                     step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
                 results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted,
-                                              step.logprobs)
+                                              step.logprobs, masks=step.masks)
             elif step.hidden is not None:
-                results = self._sample(step.out, step.hidden)
+                results = self._sample(step.out, step.hidden, step.masks)
         return self.ps.broadcast_from_driver(results)
 
-    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor) -> list[ChunkResult]:
+    def _start_masks(self, out: SchedulerOutput) -> StepMasks | None:
+        """The driver, as the step is launched: its guided rows' masks, filled while it runs."""
+        if not self.ps.is_driver:
+            return None
+        matchers = {i: c.request.guide for i, c in enumerate(out.chunks) if c.is_sample and c.request.guide is not None}
+        return StepMasks(matchers, self.logit_slots.vocab) if matchers else None
+
+    def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, masks: StepMasks | None = None) -> list[ChunkResult]:
         rows: list[int] = []
         offset = 0
         spans: list[tuple[int, int]] = []  # rows of each chunk in `logits`
@@ -201,7 +210,7 @@ class StepSampling:
             spans.append((first, len(rows)))
             offset += chunk.num_tokens
         logits = self.model.compute_logits(hidden[rows]) if rows else None
-        return self._sample_logits(out, logits, spans, prompt=prompt)
+        return self._sample_logits(out, logits, spans, prompt=prompt, masks=masks)
 
     def _prompt_logprobs(self, chunk, hidden: torch.Tensor) -> tuple[list[float], list[dict[int, float]]]:
         """The log-probs of the prompt tokens that follow a prefill chunk's positions (and their
@@ -224,7 +233,7 @@ class StepSampling:
         self, out: SchedulerOutput, logits, spans: list[tuple[int, int]], greedy: torch.Tensor | None = None,
         drawn: frozenset[int] = frozenset(), adjusted: frozenset[int] = frozenset(),
         logprobs: StepLogprobs | None = None,
-        prompt: dict[int, tuple[list[float], list[dict[int, float]]]] | None = None,
+        prompt: dict[int, tuple[list[float], list[dict[int, float]]]] | None = None, masks: StepMasks | None = None,
     ) -> list[ChunkResult]:
         """`spans[i]`: the rows of `logits` that belong to chunk i (its last row samples);
         `greedy`: their argmax when the step already computed it (a CUDA graph), with the
@@ -232,7 +241,7 @@ class StepSampling:
         whose bias / penalties are already in `logits` (the others are adjusted here first);
         `logprobs`: rows' log-probs computed at launch (the others that qualify are computed
         here the same way: engine/step_logprobs.py); `prompt`: chunk i's prompt log-probs and top N,
-        computed from its hidden states (`_prompt_logprobs`)."""
+        computed from its hidden states (`_prompt_logprobs`); `masks`: the guided rows' (`_start_masks`)."""
         if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
             late = adjusted_rows(out.chunks, skip=adjusted)
             if late:
@@ -254,6 +263,8 @@ class StepSampling:
                 lps.update(compute_logprobs(logits, late, to_device([spans[i][1] - 1 for i in late], torch.long, logits.device),
                                             to_device(tokens, torch.long, logits.device),
                                             [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
+        allowed = masks.rows(logits.device) if masks is not None else {}
+        guided_greedy = self._guided_argmax(out, logits, spans, allowed, adjusted)
         results = []
         for i, (chunk, (_, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
@@ -264,13 +275,28 @@ class StepSampling:
                 sample = SampleResult(greedy[last - 1], *lps.get(i, (None, None)))
             elif i in drawn_now:
                 sample = SampleResult(drawn_now[i], *lps.get(i, (None, None)))
+            elif i in guided_greedy:
+                sample = SampleResult(guided_greedy[i])
             elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
                                     req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted,
-                                    allowed=None if req.guide is None else allowed(req.guide, logits.shape[-1]))
+                                    allowed=None if req.guide is None else allowed[i])
             plp, ptop = (prompt or {}).get(i, ((), ()))
             results.append(ChunkResult(req.request_id, sample, tuple(plp), tuple(ptop)))
         return results
+
+    @staticmethod
+    def _guided_argmax(out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
+                       adjusted: frozenset[int]) -> dict[int, int]:
+        """Chunk index -> token of the guided greedy rows that want nothing more than their token
+        (no log-probs, no bias / penalties left to apply): one masked argmax on the device for all."""
+        rows = [i for i in allowed if (p := out.chunks[i].request.params).is_greedy and not wants_logprobs(p)
+                and (not p.adjusts_logits or i in adjusted)]
+        if not rows:
+            return {}
+        index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
+        masked = logits.index_select(0, index).masked_fill_(~torch.stack([allowed[i] for i in rows]), float("-inf"))
+        return dict(zip(rows, masked.argmax(dim=-1).tolist(), strict=True))
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A generator seeded by (request seed, output position).

@@ -110,6 +110,59 @@ def test_a_lark_grammar_guides_as_a_schema_does(llm):
     llm.engine.check_integrity()
 
 
+def _own_mask(matcher, vocab: int) -> torch.Tensor:
+    """One matcher's mask as llguidance fills it alone, unpacked bit by bit."""
+    import llguidance.torch as llg_torch
+
+    bits = llg_torch.allocate_token_bitmask(1, vocab)
+    llg_torch.fill_next_token_bitmask(matcher, bits)
+    return torch.tensor([bool((int(bits[0, t // 32]) >> (t % 32)) & 1) for t in range(vocab)])
+
+
+def test_a_steps_masks_are_each_matchers_own(llm):
+    """StepMasks fills a step's rows together: each row = its matcher's own mask (matchers at
+    different points of the JSON), a completed grammar's = the end-of-sequence tokens only, a
+    broken matcher's = every token (sampling never sees an empty distribution)."""
+    from splitserve.engine.guided import StepMasks
+
+    engine = llm.engine
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(json_schema=json.dumps(SCHEMA))
+    text = json.dumps({"name": "ab", "age": 7, "tags": ["a"], "ok": True})
+    ids = engine.tokenizer.encode(text, add_bos=False)
+    matchers = {i: engine.guides.matcher(params, ids[:n]) for i, n in enumerate((0, 3, len(ids) // 2, len(ids)))}
+    broken = engine.guides.matcher(params, [])
+    assert not broken.consume_token(engine.tokenizer.encode("zzz", add_bos=False)[0]) and broken.is_error()
+    matchers[7] = broken
+    rows = StepMasks(matchers, vocab).rows(torch.device("cpu"))
+    assert sorted(rows) == [0, 1, 2, 3, 7]
+    for i in (0, 1, 2):
+        assert torch.equal(rows[i], _own_mask(matchers[i], vocab)), i
+        assert 0 < int(rows[i].sum()) < vocab
+    assert rows[3].nonzero().flatten().tolist() == [engine.tokenizer.eos_token_id]  # complete: EOS only
+    assert bool(rows[7].all())
+
+
+def test_guided_greedy_rows_take_one_masked_argmax(llm, monkeypatch):
+    """Guided greedy rows that want only their tokens are sampled together (one masked argmax);
+    their tokens = those of the row-by-row sampler, which rows wanting log-probs still take."""
+    from splitserve.engine.step_sampling import StepSampling
+
+    taken = []
+    batched = StepSampling._guided_argmax
+    monkeypatch.setattr(StepSampling, "_guided_argmax", staticmethod(lambda *a: taken.append(r := batched(*a)) or r))
+    bare = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA))
+    fast = llm.generate(PROMPTS, bare)
+    assert sum(len(t) for t in taken) >= sum(len(r.generated_tokens) for r in fast) > 0
+    taken.clear()
+    slow = llm.generate(PROMPTS, SamplingParams(num_tokens_to_generate=60, temperature=0.0,
+                                                json_schema=json.dumps(SCHEMA), return_log_probs=True))
+    assert not any(taken)  # log-probs: the row-by-row sampler
+    assert [r.generated_tokens for r in fast] == [r.generated_tokens for r in slow]
+    assert all(r.status == "stopped" and _follows(r.generated_text) for r in fast)
+    llm.engine.check_integrity()
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device paths (graphs, device sampler, run-ahead) need a GPU")
 def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone():
     """On a GPU a guided row skips the launch-time argmax, draws and adjustments and keeps its logits
@@ -122,6 +175,8 @@ def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone():
     want = cpu.generate(PROMPTS, guided)
     got = gpu.generate(PROMPTS, guided)
     assert [r.generated_tokens for r in got] == [r.generated_tokens for r in want]
+    bare = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA))
+    assert [r.generated_tokens for r in gpu.generate(PROMPTS, bare)] == [r.generated_tokens for r in want]
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(torch.tensor(g.prompt_log_probs), torch.tensor(w.prompt_log_probs), atol=1e-4)
         assert [list(t) for t in g.prompt_top_logprobs] == [list(t) for t in w.prompt_top_logprobs]
