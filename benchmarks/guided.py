@@ -65,7 +65,7 @@ def main() -> None:
 
     matcher = llm.engine.guides.matcher(guided, [])
     vocab = llm.engine.model_config.vocab_size
-    text = llm.engine.tokenizer.encode('{"values": [1, 22, 333, 4444, 55555, 6, 77, 888', add_bos=False)
+    text = llm.engine.tokenizer.encode('{"values": [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2', add_bos=False)
     device = llm.engine.runner.device
     start = time.perf_counter()
     for token in text:

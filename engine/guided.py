@@ -116,57 +116,43 @@ def compile_lark(grammar: str) -> str:
 
 
 class StepMasks:
-    """The masks of one step's guided rows, computed together and while the step runs.
+    """The masks of one step's guided rows, computed together while the device runs the step.
 
-    Started when the step is launched (its rows' matchers have consumed every earlier token: a
-    guided row's step never runs ahead), on a worker thread that hands every row to llguidance's
-    executor at once — a Rust thread per row, the GIL dropped — so the masks are filled while the
-    device runs the forward pass; `rows` waits for them when the step is sampled, then sends the
-    packed bits (4 bytes per 32 tokens) to the device in one copy and unpacks them there. Before,
-    each row's mask was filled, unpacked on the host and copied when its row was sampled, one
-    after another: at batch 64 a guided step took ~10 ms on an H100 against 0.85 free
-    (benchmarks/guided.py). An empty mask or a broken matcher lets every token through, as
-    before.
+    `collect` (step_sampling.py) asks for them before it waits for the step: the host fills them
+    while the device computes. The rows' matchers have consumed every earlier token (a guided
+    row's step never runs ahead). llguidance's executor fills a batch's rows in parallel (Rust
+    threads, the GIL dropped; one row is filled directly), the packed bits (4 bytes per 32 tokens)
+    go to the device in one copy and are unpacked there. Before, each row's mask was filled,
+    unpacked on the host and copied when its row was sampled, one after another, after the step.
+    A broken matcher's mask, or an empty one, lets every token through: sampling never sees an
+    empty distribution (the error is the caller's to report).
     """
 
     def __init__(self, matchers: dict[int, object], vocab_size: int) -> None:
-        import llguidance.torch as llg_torch
-
+        self._matchers = matchers
         self.vocab_size = vocab_size
-        self._order = {i: k for k, i in enumerate(matchers)}
-        self._bits = llg_torch.allocate_token_bitmask(len(matchers), vocab_size)
-        self._done = _mask_thread().submit(self._fill, list(matchers.values()))
         self._rows: dict[int, torch.Tensor] | None = None
-
-    def _fill(self, matchers: list) -> None:
-        import llguidance.torch as llg_torch
-        import torch
-
-        llg_torch.fill_next_token_bitmask_par(_mask_executor(), [(m, k) for k, m in enumerate(matchers)], self._bits)
-        with torch.inference_mode():  # (the bits were made under the launch's)
-            for k, matcher in enumerate(matchers):
-                if matcher.is_error():
-                    self._bits[k] = -1
-            self._bits[(self._bits == 0).all(dim=1)] = -1
 
     def rows(self, device) -> dict[int, torch.Tensor]:
         """Chunk index -> bool [vocab_size] on `device`: the tokens its matcher accepts next."""
         if self._rows is None:
+            import llguidance.torch as llg_torch
             import torch
 
-            self._done.result()
-            words = self._bits.to(device, non_blocking=True)
+            matchers = list(self._matchers.values())
+            bits = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+            if len(matchers) == 1:
+                llg_torch.fill_next_token_bitmask(matchers[0], bits)
+            else:
+                llg_torch.fill_next_token_bitmask_par(_mask_executor(), [(m, k) for k, m in enumerate(matchers)], bits)
+            if broken := [k for k, m in enumerate(matchers) if m.is_error()]:
+                bits[broken] = -1
+            words = bits.to(device, non_blocking=True)
             shifts = torch.arange(32, dtype=torch.int32, device=device)
             masks = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
-            self._rows = {i: masks[k] for i, k in self._order.items()}
+            masks |= ~masks.any(dim=1, keepdim=True)
+            self._rows = {i: masks[k] for k, i in enumerate(self._matchers)}
         return self._rows
-
-
-@functools.cache
-def _mask_thread():
-    import concurrent.futures
-
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="guided-masks")
 
 
 @functools.cache

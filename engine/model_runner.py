@@ -154,15 +154,9 @@ class ModelRunner(StepSampling):
     def launch(self, out: SchedulerOutput, feed: PendingStep | None = None) -> PendingStep:
         """Queue the step's forward on the device; `collect` samples from it. On a
         GPU the two are apart so the engine can do host work while the step runs.
-        Guided rows' masks are started first, so they are filled meanwhile.
 
         `feed`: the previous step, still in flight, whose greedy tokens are this
         decode-only step's input ids, row for row (async scheduling)."""
-        masks = self._start_masks(out)
-        step = self._launch(out, feed)
-        return step if masks is None else replace(step, masks=masks)
-
-    def _launch(self, out: SchedulerOutput, feed: PendingStep | None) -> PendingStep:
         fed = feed.greedy[: len(out.chunks)] if feed is not None else None
         if self.graphs is not None and self.graphs.can_run(out):
             logits, greedy = self.graphs.launch(out, fed)

@@ -72,8 +72,6 @@ class PendingStep:
     logprobs: StepLogprobs | None = None
     """Log-probs of the rows that want them, computed at launch (engine/step_logprobs.py)."""
     ready: torch.cuda.Event | None = None
-    masks: StepMasks | None = None
-    """The driver's guided rows' masks, being filled while the step runs (engine/guided.py)."""
     layer_marks: Callable[[], None] | None = None
     """Layer-wise streaming on a GPU: publishes the step's per-layer marks as its layers finish
     (engine/handoff_layerwise.py `DeviceLayerMarks.drain`); `collect` calls it first."""
@@ -179,20 +177,20 @@ class StepSampling:
             step.layer_marks()
         results = None
         if self.ps.is_driver:
+            masks = self._guided_masks(step.out)
+            if masks is not None:  # filled on the host while the device still runs the step
+                masks.rows(self.device)
             if step.logits is not None:
                 if step.ready is not None:
                     step.ready.synchronize()
                 spans = [(i, i + 1) for i in range(len(step.out.chunks))]
                 results = self._sample_logits(step.out, step.logits, spans, step.greedy_host, step.drawn, step.adjusted,
-                                              step.logprobs, masks=step.masks)
+                                              step.logprobs, masks=masks)
             elif step.hidden is not None:
-                results = self._sample(step.out, step.hidden, step.masks)
+                results = self._sample(step.out, step.hidden, masks)
         return self.ps.broadcast_from_driver(results)
 
-    def _start_masks(self, out: SchedulerOutput) -> StepMasks | None:
-        """The driver, as the step is launched: its guided rows' masks, filled while it runs."""
-        if not self.ps.is_driver:
-            return None
+    def _guided_masks(self, out: SchedulerOutput) -> StepMasks | None:
         matchers = {i: c.request.guide for i, c in enumerate(out.chunks) if c.is_sample and c.request.guide is not None}
         return StepMasks(matchers, self.logit_slots.vocab) if matchers else None
 
@@ -241,7 +239,7 @@ class StepSampling:
         whose bias / penalties are already in `logits` (the others are adjusted here first);
         `logprobs`: rows' log-probs computed at launch (the others that qualify are computed
         here the same way: engine/step_logprobs.py); `prompt`: chunk i's prompt log-probs and top N,
-        computed from its hidden states (`_prompt_logprobs`); `masks`: the guided rows' (`_start_masks`)."""
+        computed from its hidden states (`_prompt_logprobs`); `masks`: the guided rows' (`_guided_masks`)."""
         if logits is not None and greedy is None:  # (a decode step's rows were adjusted at launch)
             late = adjusted_rows(out.chunks, skip=adjusted)
             if late:
