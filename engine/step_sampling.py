@@ -262,7 +262,7 @@ class StepSampling:
                                             to_device(tokens, torch.long, logits.device),
                                             [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
         allowed = masks.rows(logits.device) if masks is not None else {}
-        guided_greedy = self._guided_argmax(out, logits, spans, allowed, adjusted)
+        guided = self._guided_batch(out, logits, spans, allowed, adjusted)
         results = []
         for i, (chunk, (_, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
@@ -273,8 +273,8 @@ class StepSampling:
                 sample = SampleResult(greedy[last - 1], *lps.get(i, (None, None)))
             elif i in drawn_now:
                 sample = SampleResult(drawn_now[i], *lps.get(i, (None, None)))
-            elif i in guided_greedy:
-                sample = SampleResult(guided_greedy[i])
+            elif i in guided:
+                sample = SampleResult(guided[i])
             elif chunk.is_sample:  # log-probs (from the model's own logits), or sampled on the CPU
                 sample = sample_row(logits[last - 1], req.params, self._generator(req), self.config.logprobs_mode,
                                     req.output_so_far() if params.adjusts_logits else (), preadjusted=i in adjusted,
@@ -283,18 +283,29 @@ class StepSampling:
             results.append(ChunkResult(req.request_id, sample, tuple(plp), tuple(ptop)))
         return results
 
-    @staticmethod
-    def _guided_argmax(out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
-                       adjusted: frozenset[int]) -> dict[int, int]:
-        """Chunk index -> token of the guided greedy rows that want nothing more than their token
-        (no log-probs, no bias / penalties left to apply): one masked argmax on the device for all."""
-        rows = [i for i in allowed if (p := out.chunks[i].request.params).is_greedy and not wants_logprobs(p)
+    def _guided_batch(self, out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
+                      adjusted: frozenset[int]) -> dict[int, int]:
+        """Chunk index -> token of the guided rows that want nothing more than their token (no
+        log-probs, no bias / penalties left to apply), all at once: greedy rows by one masked
+        argmax; sampled rows, on CUDA with Triton, masked in place and drawn by the batched device
+        sampler (engine/device_sampler.py, seeded per position as every drawn row) — elsewhere
+        they are left to the host sampler. One host sync for all."""
+        rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
                 and (not p.adjusts_logits or i in adjusted)]
+        if not (logits.is_cuda and self._triton_argmax):  # (CUDA with Triton: the device sampler's kernels)
+            rows = [i for i in rows if out.chunks[i].request.params.is_greedy]
         if not rows:
             return {}
         index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
         masked = logits.index_select(0, index).masked_fill_(~torch.stack([allowed[i] for i in rows]), float("-inf"))
-        return dict(zip(rows, masked.argmax(dim=-1).tolist(), strict=True))
+        greedy = [k for k, i in enumerate(rows) if out.chunks[i].request.params.is_greedy]
+        tokens = masked.argmax(dim=-1)
+        if len(greedy) < len(rows):
+            logits.index_copy_(0, index, masked)
+            drawn = [i for i in rows if not out.chunks[i].request.params.is_greedy]
+            tokens[[k for k in range(len(rows)) if k not in set(greedy)]] = draw_rows(
+                out.chunks, logits, spans, self.row_seed, drawn)
+        return dict(zip(rows, tokens.tolist(), strict=True))
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A generator seeded by (request seed, output position).

@@ -149,8 +149,8 @@ def test_guided_greedy_rows_take_one_masked_argmax(llm, monkeypatch):
     from splitserve.engine.step_sampling import StepSampling
 
     taken = []
-    batched = StepSampling._guided_argmax
-    monkeypatch.setattr(StepSampling, "_guided_argmax", staticmethod(lambda *a: taken.append(r := batched(*a)) or r))
+    batched = StepSampling._guided_batch
+    monkeypatch.setattr(StepSampling, "_guided_batch", lambda *a: taken.append(r := batched(*a)) or r)
     bare = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA))
     fast = llm.generate(PROMPTS, bare)
     assert sum(len(t) for t in taken) >= sum(len(r.generated_tokens) for r in fast) > 0
@@ -164,7 +164,7 @@ def test_guided_greedy_rows_take_one_masked_argmax(llm, monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the device paths (graphs, device sampler, run-ahead) need a GPU")
-def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone():
+def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone(monkeypatch):
     """On a GPU a guided row skips the launch-time argmax, draws and adjustments and keeps its logits
     in the decode graphs; in fp32 its greedy JSON is the CPU engine's, its batch's other rows (a
     biased greedy one, a seeded one) get the tokens they get alone, and prompt log-probs agree."""
@@ -177,6 +177,18 @@ def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone():
     assert [r.generated_tokens for r in got] == [r.generated_tokens for r in want]
     bare = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA))
     assert [r.generated_tokens for r in gpu.generate(PROMPTS, bare)] == [r.generated_tokens for r in want]
+    # Sampled guided rows that want only their tokens: masked in place, drawn by the device sampler together.
+    from splitserve.engine.step_sampling import StepSampling
+
+    taken = []
+    batched = StepSampling._guided_batch
+    monkeypatch.setattr(StepSampling, "_guided_batch", lambda *a: taken.append(r := batched(*a)) or r)
+    sampled = SamplingParams(num_tokens_to_generate=80, temperature=1.0, top_p=0.95, seed=11, json_schema=json.dumps(SCHEMA))
+    first = gpu.generate(PROMPTS * 4, sampled)
+    assert all(r.status == "stopped" and _follows(r.generated_text) for r in first), [r.generated_text for r in first]
+    assert sum(len(t) for t in taken) >= sum(len(r.generated_tokens) for r in first)
+    assert [r.generated_tokens for r in gpu.generate(PROMPTS * 4, sampled)] == [r.generated_tokens for r in first]
+    monkeypatch.undo()
     for g, w in zip(got, want, strict=True):
         assert torch.allclose(torch.tensor(g.prompt_log_probs), torch.tensor(w.prompt_log_probs), atol=1e-4)
         assert [list(t) for t in g.prompt_top_logprobs] == [list(t) for t in w.prompt_top_logprobs]
