@@ -1,13 +1,13 @@
 """What a JSON schema costs a decode step: the same batch with and without `json_schema`, side by side.
 
 Runs the embedded model (or `--model`) on CPU, or the GPU with `--gpu`, a batch of `--batch`
-greedy requests, first free text, then guided by a schema whose output can go on for the whole
+requests (greedy, or sampled with `--temperature`), first free text, then guided by a schema whose output can go on for the whole
 budget (an array of at least that many digits), and prints decode tokens/s of each and their ratio, then the
 masks' own cost: one row's mask and its token consumed, and a whole batch's masks at once (llguidance's
 executor, then unpacked on the device: `engine/guided.py::StepMasks`).
 A guided row is sampled on the host and its step does not run ahead, which the ratio includes.
 
-    python benchmarks/guided.py [--batch 8] [--new-tokens 64] [--gpu]
+    python benchmarks/guided.py [--batch 8] [--new-tokens 64] [--gpu] [--temperature 1.0]
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3, help="free / guided pairs, alternating")
     p.add_argument("--gpu", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else both forms sampled (seeded)")
     args = p.parse_args()
 
     from splitserve import LLM, SamplingParams
@@ -51,14 +52,15 @@ def main() -> None:
         options.update(device="cuda", enable_cuda_graphs=True)
     llm = LLM(args.model, **options) if args.model else LLM(**options)
     prompts = [f"Request {i}: list some numbers as JSON." for i in range(args.batch)]
-    free = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, ignore_eos=True)
-    guided = SamplingParams(num_tokens_to_generate=args.new_tokens, temperature=0.0, json_schema=json.dumps(schema(args.new_tokens)))
+    sampling = dict(temperature=args.temperature, seed=1)
+    free = SamplingParams(num_tokens_to_generate=args.new_tokens, ignore_eos=True, **sampling)
+    guided = SamplingParams(num_tokens_to_generate=args.new_tokens, json_schema=json.dumps(schema(args.new_tokens)), **sampling)
     llm.generate(prompts, free)  # warm-up: compiles, graphs
     llm.generate(prompts, guided)
     rows = []
     for _ in range(args.rounds):
         rows.append((_decode_tok_s(llm, prompts, free), _decode_tok_s(llm, prompts, guided)))
-    print(f"# batch {args.batch}, {args.new_tokens} new tokens, {'cuda' if args.gpu else 'cpu'}")
+    print(f"# batch {args.batch}, {args.new_tokens} new tokens, {'cuda' if args.gpu else 'cpu'}, temperature {args.temperature}")
     print(f"{'round':>5} {'free tok/s':>11} {'guided tok/s':>13} {'guided tokens':>14} {'ratio':>6}")
     for i, ((f, _), (g, n)) in enumerate(rows):
         print(f"{i:>5} {f:>11.1f} {g:>13.1f} {n:>14} {g / f:>6.2f}")
