@@ -5,7 +5,7 @@ requests (greedy, or sampled with `--temperature`), first free text, then guided
 budget (an array of at least that many digits), and prints decode tokens/s of each and their ratio, then the
 masks' own cost: one row's mask and its token consumed, and a whole batch's masks at once (llguidance's
 executor, then unpacked on the device: `engine/guided.py::StepMasks`).
-A guided row is sampled on the host and its step does not run ahead, which the ratio includes.
+A guided row's step does not run ahead (its next mask needs its token), which the ratio includes.
 
     python benchmarks/guided.py [--batch 8] [--new-tokens 64] [--gpu] [--temperature 1.0]
 """
