@@ -290,6 +290,8 @@ class StepSampling:
         argmax; sampled rows, on CUDA with Triton, masked in place and drawn by the batched device
         sampler (engine/device_sampler.py, seeded per position as every drawn row) — elsewhere
         they are left to the host sampler. One host sync for all."""
+        if not allowed:
+            return {}
         rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
                 and (not p.adjusts_logits or i in adjusted)]
         if not (logits.is_cuda and self._triton_argmax):  # (CUDA with Triton: the device sampler's kernels)
