@@ -91,6 +91,8 @@ class ModelRunner(StepSampling):
         self._draws_at_launch = self.device.type != "cuda" or self._triton_argmax
         """A decode step's sampled rows are drawn at launch (`_draw_at_launch`: the batched
         device sampler needs Triton; on CPU the host sampler draws there)."""
+        self._guided_draws = self._triton_argmax
+        """Sampled guided rows are drawn by the batched device sampler (`_guided_batch`)."""
         self.flashinfer = self._flashinfer_shape()
         """flashinfer backend: what its wrappers are planned for (attention_flashinfer.Shape)."""
         self.planner = None

@@ -4,7 +4,7 @@ launched step into each chunk's result on every rank.
 
 `StepSampling` is the sampling half of `ModelRunner` (engine/model_runner.py), which builds and
 runs the forward pass; it uses the runner's `config`, `ps`, `model` (`compute_logits`),
-`device`, `graphs`, `logit_slots` (and its `vocab`), `_triton_argmax`, `_draws_at_launch`, `_base_seeds` and
+`device`, `graphs`, `logit_slots` (and its `vocab`), `_triton_argmax`, `_draws_at_launch`, `_guided_draws`, `_base_seeds` and
 `_seed_source`.
 """
 
@@ -294,7 +294,7 @@ class StepSampling:
             return {}
         rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
                 and (not p.adjusts_logits or i in adjusted)]
-        if not (logits.is_cuda and self._triton_argmax):  # (CUDA with Triton: the device sampler's kernels)
+        if not self._guided_draws:  # (CUDA with Triton: the device sampler's kernels)
             rows = [i for i in rows if out.chunks[i].request.params.is_greedy]
         if not rows:
             return {}

@@ -114,3 +114,30 @@ def test_parameter_columns_of_one_table_draw_as_separate_tensors(device):
         alone = sample_rows(logits[table[row, 0]][None], temps[row:row + 1], table[row:row + 1, 1].clone(),
                             zeros[:1], torch.tensor([seed], device=device), **flags)
         assert int(alone[0]) == int(got[row])
+
+
+def test_rows_masked_to_a_few_tokens_draw_only_those(device):
+    """Guided rows reach the sampler with every token their grammar refuses at -inf
+    (engine/step_sampling.py `_guided_batch`): whatever the temperature, top-k (also past the
+    allowed count) or top-p, and on both paths (flags given or read back), only allowed tokens
+    are drawn — a single allowed token always."""
+    g = torch.Generator().manual_seed(11)
+    vocab = 3000
+    logits = torch.randn(6, vocab, generator=g)
+    allowed = [torch.randperm(vocab, generator=g)[:n] for n in (1, 2, 3, 10, 50, 1)]
+    for row, ids in enumerate(allowed):
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[ids] = True
+        logits[row].masked_fill_(~keep, float("-inf"))
+    logits = logits.to(device)
+    t = torch.tensor([1.0, 0.7, 1.5, 1.0, 0.9, 2.0], device=device)
+    k = torch.tensor([0, 5, 0, 40, 100, 20], device=device)
+    p = torch.tensor([0.0, 0.0, 0.9, 0.5, 0.95, 0.0], device=device)
+    within = torch.where(k > 0, p, torch.zeros_like(p))  # every top-p row also top-k: the threshold path
+    for s in range(6):
+        seeds = torch.arange(6, device=device) * 17 + 1000 * s
+        for top_p, flags in ((p, {}), (p, dict(max_top_k=100, any_top_p=True, top_p_within_top_k=False)),
+                             (within, dict(max_top_k=100, any_top_p=True, top_p_within_top_k=True))):
+            got = sample_rows(logits, t, k, top_p, seeds, **flags).tolist()
+            assert all(tok in ids.tolist() for tok, ids in zip(got, allowed, strict=True)), (s, flags, got)
+            assert got[0] == int(allowed[0][0]) and got[5] == int(allowed[5][0])
