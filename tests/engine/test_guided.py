@@ -135,6 +135,8 @@ def test_a_steps_masks_are_each_matchers_own(llm):
     assert not broken.consume_token(engine.tokenizer.encode("zzz", add_bos=False)[0]) and broken.is_error()
     matchers[7] = broken
     rows = StepMasks(matchers, vocab).rows(torch.device("cpu"))
+    parallel = StepMasks(matchers, vocab).rows(torch.device("cpu"), parallel=True)  # as a GPU engine fills them
+    assert all(torch.equal(parallel[i], rows[i]) for i in rows)
     assert sorted(rows) == [0, 1, 2, 3, 7]
     for i in (0, 1, 2):
         assert torch.equal(rows[i], _own_mask(matchers[i], vocab)), i
