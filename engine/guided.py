@@ -16,9 +16,10 @@ this 2-core machine for the embedded model's 3,072-token vocabulary: benchmarks/
 same library serves structured outputs in several production engines. The module imports
 neither torch nor llguidance at load: the gateway and the SDK check schemas with `check_schema`.
 
-A step's guided rows have their masks computed together while the step runs (`StepMasks`); its
-greedy rows then take their tokens in one masked argmax on the device, the others are sampled one
-by one (step_sampling.py). A mask depends on the token before it, so a guided row's step never
+A step's guided rows have their masks computed together while the step runs (`StepMasks`); those
+that want only their tokens then take them together — greedy rows by one masked argmax on the
+device, sampled rows (on CUDA) by the batched device sampler — and rows that want log-probs are
+sampled one by one (step_sampling.py `_guided_batch`). A mask depends on the token before it, so a guided row's step never
 runs ahead (step_pipeline.py) and the device sampler, the launch-time argmax and the launch-time
 adjustments skip it; its log-probs are the model's own (raw mode) or
 those of the masked distribution (processed mode), as with top-k / top-p. When the grammar is
@@ -125,9 +126,8 @@ class StepMasks:
     H100's host); a CPU engine fills them one after another, as its cores run the forward pass (on
     this 2-core machine the executor's threads took them from it: guided ÷ free 0.72 against 0.80
     at batch 32). The packed bits (4 bytes per 32 tokens) go to the device in one copy and are
-    unpacked there. Before, each row's mask was filled,
-    unpacked on the host and copied when its row was sampled, one after another, after the step.
-    A broken matcher's mask, or an empty one, lets every token through: sampling never sees an
+    unpacked there. (Before, each row's mask was filled, unpacked on the host and copied when its
+    row was sampled, one after another, after the step: benchmarks/RESULTS.md, session 37.) A broken matcher's mask, or an empty one, lets every token through: sampling never sees an
     empty distribution (the error is the caller's to report).
     """
 
