@@ -300,13 +300,10 @@ class StepSampling:
             return {}
         index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
         masked = logits.index_select(0, index).masked_fill_(~torch.stack([allowed[i] for i in rows]), float("-inf"))
-        greedy = [k for k, i in enumerate(rows) if out.chunks[i].request.params.is_greedy]
         tokens = masked.argmax(dim=-1)
-        if len(greedy) < len(rows):
+        if sampled := [k for k, i in enumerate(rows) if not out.chunks[i].request.params.is_greedy]:
             logits.index_copy_(0, index, masked)
-            drawn = [i for i in rows if not out.chunks[i].request.params.is_greedy]
-            tokens[[k for k in range(len(rows)) if k not in set(greedy)]] = draw_rows(
-                out.chunks, logits, spans, self.row_seed, drawn)
+            tokens[sampled] = draw_rows(out.chunks, logits, spans, self.row_seed, [rows[k] for k in sampled])
         return dict(zip(rows, tokens.tolist(), strict=True))
 
     def _generator(self, req: Request) -> torch.Generator | None:
