@@ -249,6 +249,7 @@ class Engine:
         if prev is not None:  # step N+1 is queued: now wait for step N's tokens
             outputs += self._apply(prev.out, self.runner.collect(prev.pending), ahead=True)
         if pipeline.can_run_ahead(self, out, pending):
+            pending = self.runner.settle_guided(pending)  # (step N-1 applied: the matchers are up to date)
             pipeline.advance(out)
             self._inflight = pipeline.Inflight(out, pending)
             return outputs

@@ -19,9 +19,11 @@ neither torch nor llguidance at load: the gateway and the SDK check schemas with
 A step's guided rows have their masks computed together while the step runs (`StepMasks`); those
 that want only their tokens then take them together — greedy rows by one masked argmax on the
 device, sampled rows (on CUDA) by the batched device sampler — and rows that want log-probs are
-sampled one by one (step_sampling.py `_guided_batch`). A mask depends on the token before it, so a guided row's step never
-runs ahead (step_pipeline.py) and the device sampler, the launch-time argmax and the launch-time
-adjustments skip it; its log-probs are the model's own (raw mode) or
+sampled one by one (step_sampling.py `_guided_batch`). A mask depends on the token before it: with
+async scheduling (step_pipeline.py) the rows that want only their tokens have them taken on the
+device once the step before is applied and before the next is launched (`settle_guided`); a step
+with any other guided row does not run ahead. The device sampler, the launch-time argmax and the
+launch-time adjustments skip a guided row; its log-probs are the model's own (raw mode) or
 those of the masked distribution (processed mode), as with top-k / top-p. When the grammar is
 complete the mask leaves only the end-of-sequence tokens, so the request stops there; a token
 budget reached first cuts the JSON short (as OpenAI's API does: finish_reason "length").
@@ -119,15 +121,17 @@ def compile_lark(grammar: str) -> str:
 class StepMasks:
     """The masks of one step's guided rows, computed together while the device runs the step.
 
-    `collect` (step_sampling.py) asks for them before it waits for the step: the host fills them
-    while the device computes. The rows' matchers have consumed every earlier token (a guided
-    row's step never runs ahead). For a GPU engine llguidance's executor fills a batch's rows in
-    parallel (Rust threads, the GIL dropped: 64 rows in 213 µs against 725 one after another on an
-    H100's host); a CPU engine fills them one after another, as its cores run the forward pass (on
-    this 2-core machine the executor's threads took them from it: guided ÷ free 0.72 against 0.80
-    at batch 32). The packed bits (4 bytes per 32 tokens) go to the device in one copy and are
+    `collect` (step_sampling.py) asks for them before it waits for the step, and with async
+    scheduling `settle_guided` does, before the next step is launched: either way the host fills
+    them while the device computes, from matchers that have consumed every earlier token. For a
+    GPU engine llguidance's executor fills a batch's rows in parallel (Rust threads, the GIL
+    dropped: 64 rows in 213 µs against 725 one after another on an H100's host); a CPU engine
+    fills them one after another, as its cores run the forward pass (on this 2-core machine the
+    executor's threads took them from it: guided ÷ free 0.72 against 0.80 at batch 32). The
+    packed bits (4 bytes per 32 tokens) go to the device in one copy from pinned memory and are
     unpacked there. (Before, each row's mask was filled, unpacked on the host and copied when its
-    row was sampled, one after another, after the step: benchmarks/RESULTS.md, session 37.) A broken matcher's mask, or an empty one, lets every token through: sampling never sees an
+    row was sampled, one after another, after the step: benchmarks/RESULTS.md, session 37.) A
+    broken matcher's mask, or an empty one, lets every token through: sampling never sees an
     empty distribution (the error is the caller's to report).
     """
 
@@ -154,6 +158,8 @@ class StepMasks:
                     llg_torch.fill_next_token_bitmask(matcher, bits, k)
             if broken := [k for k, m in enumerate(matchers) if m.is_error()]:
                 bits[broken] = -1
+            if torch.device(device).type == "cuda":  # from pageable memory the copy would wait for the step
+                bits = bits.pin_memory()
             words = bits.to(device, non_blocking=True)
             shifts = torch.arange(32, dtype=torch.int32, device=device)
             masks = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, : self.vocab_size].bool()

@@ -24,7 +24,11 @@ Scheduling ahead is safe only when it cannot change which requests run, so
   (no preemption can hit a request that holds a placeholder);
 - the engine is one rank, not a prefill engine (prefill requests end after one
   token anyway);
-- no row is guided by a JSON schema (engine/guided.py: its next mask needs this token).
+- a row guided by a schema or grammar (engine/guided.py) wants only its token (no log-probs,
+  no bias / penalties) and is greedy, or sampled where the device sampler draws (CUDA): its mask
+  needs the token before it, so its token is taken by `ModelRunner.settle_guided` once step N-1
+  is applied — the mask filled while step N runs on the device, the masked argmax / draw queued
+  behind it — and step N+1 is fed that token as any other.
 
 Otherwise the step in flight is collected first and the engine steps plainly.
 A request that finishes at step N (EOS, stop string, length) was already
@@ -66,8 +70,12 @@ def can_run_ahead(engine, out, pending) -> bool:
             continue
         alive += 1
         params = req.params
-        if chunk.num_tokens != 1 or not chunk.is_sample or params.is_guided:  # guided: its mask needs this token
+        if chunk.num_tokens != 1 or not chunk.is_sample:
             return False
+        if params.is_guided:  # its token is taken by `settle_guided` before the next launch
+            if req.guide is None or pending.logits is None or not engine.runner.settles_guided(params):
+                return False
+            continue
         if not (params.is_greedy or i in pending.drawn) or (wants_logprobs(params) and i not in logprob_rows):
             return False
     return alive > 0 and alive == len(sched.running) and engine.pool.num_available >= alive

@@ -177,7 +177,7 @@ class StepSampling:
             step.layer_marks()
         results = None
         if self.ps.is_driver:
-            masks = self._guided_masks(step.out)
+            masks = self._guided_masks(step.out, skip=step.drawn)  # (rows settled ahead have their tokens)
             if masks is not None:  # filled on the host while the device still runs the step
                 masks.rows(self.device)
             if step.logits is not None:
@@ -190,9 +190,43 @@ class StepSampling:
                 results = self._sample(step.out, step.hidden, masks)
         return self.ps.broadcast_from_driver(results)
 
-    def _guided_masks(self, out: SchedulerOutput) -> StepMasks | None:
-        matchers = {i: c.request.guide for i, c in enumerate(out.chunks) if c.is_sample and c.request.guide is not None}
+    def _guided_masks(self, out: SchedulerOutput, skip: frozenset[int] = frozenset()) -> StepMasks | None:
+        matchers = {i: c.request.guide for i, c in enumerate(out.chunks)
+                    if c.is_sample and c.request.guide is not None and i not in skip}
         return StepMasks(matchers, self.logit_slots.vocab) if matchers else None
+
+    def settles_guided(self, params) -> bool:
+        """Can a guided row of these params take its token on the device alone (`_guided_batch`):
+        no log-probs, no bias / penalties, greedy — or sampled where the device sampler draws?"""
+        return (not wants_logprobs(params) and not params.adjusts_logits
+                and (params.is_greedy or self._guided_draws))
+
+    @torch.inference_mode()
+    def settle_guided(self, step: PendingStep) -> PendingStep:
+        """Async scheduling (engine/step_pipeline.py): put the tokens of a launched decode step's
+        guided rows into its device tokens, as `collect` would have, so the next step can be fed
+        them before this one reaches the host. Call once every earlier token of the rows is
+        consumed by their matchers (the previous step applied): the masks are filled now, while
+        the device still runs the step, and the masked argmax / draws are queued behind it; the
+        rows join `drawn`, and the tokens' host copy is queued again. Rows must satisfy
+        `settles_guided`."""
+        rows = {i for i, c in enumerate(step.out.chunks)
+                if c.is_sample and c.request.guide is not None and not c.request.status.is_finished}
+        if not rows or not self.ps.is_driver:
+            return step
+        masks = self._guided_masks(step.out, skip=frozenset(range(len(step.out.chunks))) - rows)
+        spans = [(i, i + 1) for i in range(len(step.out.chunks))]
+        picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks.rows(self.device), step.adjusted)
+        if set(picked) != rows:
+            raise ValueError(f"guided rows {sorted(rows - set(picked))} cannot be settled at launch")
+        step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
+        done = replace(step, drawn=step.drawn | rows)
+        if step.ready is None:  # CPU: the host tokens are the tokens
+            return done
+        step.greedy_host.copy_(step.greedy, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return replace(done, ready=ready)
 
     def _sample(self, out: SchedulerOutput, hidden: torch.Tensor, masks: StepMasks | None = None) -> list[ChunkResult]:
         rows: list[int] = []
@@ -285,26 +319,34 @@ class StepSampling:
 
     def _guided_batch(self, out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
                       adjusted: frozenset[int]) -> dict[int, int]:
-        """Chunk index -> token of the guided rows that want nothing more than their token (no
-        log-probs, no bias / penalties left to apply), all at once: greedy rows by one masked
-        argmax; sampled rows, on CUDA with Triton, masked in place and drawn by the batched device
-        sampler (engine/device_sampler.py, seeded per position as every drawn row) — elsewhere
-        they are left to the host sampler. One host sync for all."""
+        """Chunk index -> token of the guided rows that want nothing more than their token
+        (`_guided_tokens`), with one host sync for all."""
+        rows, tokens = self._guided_tokens(out, logits, spans, allowed, adjusted)
+        return dict(zip(rows, tokens.tolist(), strict=True)) if rows else {}
+
+    def _guided_tokens(self, out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
+                       adjusted: frozenset[int]) -> tuple[list[int], torch.Tensor | None]:
+        """The guided rows that want nothing more than their token (no log-probs, no bias /
+        penalties left to apply) and their tokens on the device, all at once: greedy rows by one
+        masked argmax; sampled rows, on CUDA with Triton, masked in place and drawn by the batched
+        device sampler (engine/device_sampler.py, seeded per position as every drawn row) —
+        elsewhere they are left to the host sampler. No host sync."""
         if not allowed:
-            return {}
+            return [], None
         rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
                 and (not p.adjusts_logits or i in adjusted)]
         if not self._guided_draws:  # (CUDA with Triton: the device sampler's kernels)
             rows = [i for i in rows if out.chunks[i].request.params.is_greedy]
         if not rows:
-            return {}
+            return [], None
         index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
         masked = logits.index_select(0, index).masked_fill_(~torch.stack([allowed[i] for i in rows]), float("-inf"))
         tokens = masked.argmax(dim=-1)
         if sampled := [k for k, i in enumerate(rows) if not out.chunks[i].request.params.is_greedy]:
             logits.index_copy_(0, index, masked)
-            tokens[sampled] = draw_rows(out.chunks, logits, spans, self.row_seed, [rows[k] for k in sampled])
-        return dict(zip(rows, tokens.tolist(), strict=True))
+            drawn = draw_rows(out.chunks, logits, spans, self.row_seed, [rows[k] for k in sampled])
+            tokens.index_copy_(0, to_device(sampled, torch.long, tokens.device), drawn)  # no pageable copy: no sync
+        return rows, tokens
 
     def _generator(self, req: Request) -> torch.Generator | None:
         """A generator seeded by (request seed, output position).

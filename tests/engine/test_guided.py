@@ -62,20 +62,47 @@ def _batch(engine, rows) -> tuple[list, list[bool]]:
     return [done[f"r{i}"] for i in range(len(rows))], ahead
 
 
-def test_a_guided_row_leaves_its_batch_as_it_was_and_never_runs_ahead():
-    """A guided row is sampled on the host and its next mask needs its token, so no step with one
-    runs ahead (async scheduling on); the greedy and seeded rows beside it get their tokens alone."""
-    llm = LLM(block_size_tokens=16, num_blocks=256, async_scheduling=True)
+def _batches(rows):
+    """`rows` as one batch on a plain engine and on one scheduling ahead: results of each, and
+    per step of the latter whether it ran ahead."""
+    plain, _ = _batch(LLM(block_size_tokens=16, num_blocks=256, async_scheduling=False).engine, rows)
+    ahead_results, ahead = _batch(LLM(block_size_tokens=16, num_blocks=256, async_scheduling=True).engine, rows)
+    return plain, ahead_results, ahead
+
+
+def test_guided_greedy_rows_run_ahead_with_the_plain_engines_tokens():
+    """A guided row that wants only its token does not stop its batch from running ahead: its
+    token is taken (mask filled, masked argmax queued) before the next step is launched, and every
+    row's tokens are those of an engine that never runs ahead."""
     plain = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
     seeded = SamplingParams(num_tokens_to_generate=24, temperature=0.9, seed=7, ignore_eos=True)
     guided = SamplingParams(num_tokens_to_generate=40, temperature=0.0, json_schema=json.dumps(SCHEMA))
-    (a, b), ahead = _batch(llm.engine, [(PROMPTS[0], plain), (PROMPTS[1], seeded)])
-    assert sum(ahead) > 10  # without a guided row the batch runs ahead
-    (a2, b2, g), ahead = _batch(llm.engine, [(PROMPTS[0], plain), (PROMPTS[1], seeded), (PROMPTS[2], guided)])
-    assert (a2.generated_tokens, b2.generated_tokens) == (a.generated_tokens, b.generated_tokens)
+    rows = [(PROMPTS[0], plain), (PROMPTS[1], seeded), (PROMPTS[2], guided), (PROMPTS[0], guided)]
+    want, got, ahead = _batches(rows)
+    assert [r.generated_tokens for r in got] == [r.generated_tokens for r in want]
+    assert all(g.status == "stopped" and _follows(g.generated_text) for g in got[2:])
+    running = min(len(g.generated_tokens) for g in got[2:])  # both guided rows in every one of these steps
+    assert sum(ahead[: running - 1]) >= running - 3, ahead  # (the first step is a prefill, the last waits)
+
+
+@pytest.mark.parametrize("guided", [
+    SamplingParams(num_tokens_to_generate=40, temperature=0.0, json_schema=json.dumps(SCHEMA), return_log_probs=True),
+    SamplingParams(num_tokens_to_generate=40, temperature=0.0, json_schema=json.dumps(SCHEMA), logit_bias={25: 1.0}),
+    SamplingParams(num_tokens_to_generate=40, temperature=0.8, seed=3, json_schema=json.dumps(SCHEMA)),
+], ids=["log-probs", "bias", "sampled-on-cpu"])
+def test_guided_rows_the_host_samples_never_run_ahead(guided):
+    """A guided row sampled on the host (it wants log-probs or a bias, or is sampled where no device
+    sampler draws) keeps its batch from running ahead; the rows beside it get their tokens alone."""
+    plain = SamplingParams(num_tokens_to_generate=24, temperature=0.0, ignore_eos=True)
+    seeded = SamplingParams(num_tokens_to_generate=24, temperature=0.9, seed=7, ignore_eos=True)
+    want, got, ahead = _batches([(PROMPTS[0], plain), (PROMPTS[1], seeded), (PROMPTS[2], guided)])
+    assert [r.generated_tokens for r in got] == [r.generated_tokens for r in want]
+    alone, _ = _batch(LLM(block_size_tokens=16, num_blocks=256, async_scheduling=True).engine,
+                      [(PROMPTS[0], plain), (PROMPTS[1], seeded)])
+    assert [r.generated_tokens for r in got[:2]] == [r.generated_tokens for r in alone]
+    g = got[2]
     assert g.status == "stopped" and _follows(g.generated_text)
-    running = len(g.generated_tokens)  # the guided row ran in the batch's first steps
-    assert not any(ahead[: running - 1]), ahead
+    assert not any(ahead[: len(g.generated_tokens) - 1]), ahead
 
 
 def test_bad_schemas_and_models_without_a_tokenizer_are_refused(llm, llama_ckpt):
@@ -201,3 +228,15 @@ def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone(monkeypa
     assert (a2.generated_tokens, b2.generated_tokens) == (a.generated_tokens, b.generated_tokens)
     assert g.generated_tokens == want[2].generated_tokens and _follows(g.generated_text)
     assert not any(ahead[: len(g.generated_tokens) - 1])
+    # Guided rows that want only their tokens (greedy, and sampled: the device sampler) run ahead,
+    # with the tokens of an engine that never does.
+    rows = [(PROMPTS[0], seeded), (PROMPTS[1], bare), (PROMPTS[2], sampled), (PROMPTS[0], sampled)]
+    never = LLM(block_size_tokens=16, num_blocks=256, device="cuda", enable_cuda_graphs=True, dtype="float32",
+                async_scheduling=False)
+    plain_rows, never_ahead = _batch(never.engine, rows)
+    ahead_rows, ahead = _batch(gpu.engine, rows)
+    assert not any(never_ahead)
+    assert [r.generated_tokens for r in ahead_rows] == [r.generated_tokens for r in plain_rows]
+    assert all(r.status == "stopped" and _follows(r.generated_text) for r in ahead_rows[1:])
+    running = min(len(r.generated_tokens) for r in ahead_rows[1:])
+    assert sum(ahead[: running - 1]) >= running - 3, ahead

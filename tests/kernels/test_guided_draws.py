@@ -46,3 +46,36 @@ def test_sampled_guided_rows_drawn_together_follow_the_schema(device, monkeypatc
                 done[out.request_id] = out.result
     assert [done[f"r{i}"].generated_tokens for i in range(3)] == [r.generated_tokens for r in first]
     again.check_integrity()
+
+
+def test_sampled_guided_rows_run_ahead_with_the_plain_engines_draws(device):
+    """Where the device sampler draws them, sampled guided rows do not keep their batch from running
+    ahead (async scheduling): their tokens are masked and drawn before the next step is launched,
+    and are those an engine that never runs ahead draws."""
+    if device.type != "cpu":
+        pytest.skip("on a GPU tests/engine/test_guided.py runs this path as served")
+    schema = json.dumps(SCHEMA)
+    rows = [("Give me JSON:", SamplingParams(num_tokens_to_generate=40, temperature=1.0, seed=1, json_schema=schema)),
+            ("x", SamplingParams(num_tokens_to_generate=40, temperature=0.8, top_k=20, seed=2, json_schema=schema)),
+            ("def f():", SamplingParams(num_tokens_to_generate=20, temperature=0.9, seed=7, ignore_eos=True))]
+    runs = []
+    for async_scheduling in (False, True):
+        engine = LLM(block_size_tokens=16, num_blocks=256, dtype="float32", async_scheduling=async_scheduling).engine
+        engine.runner._guided_draws = True
+        for i, (prompt, p) in enumerate(rows):
+            engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), p)
+        done, ahead = {}, []
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.result is not None and out.result.is_finished:
+                    done[out.request_id] = out.result
+            ahead.append(engine._inflight is not None)
+        engine.check_integrity()
+        runs.append(([done[f"r{i}"] for i in range(len(rows))], ahead))
+    (plain, never), (got, ahead) = runs
+    assert not any(never)
+    assert [r.generated_tokens for r in got] == [r.generated_tokens for r in plain]
+    for result in got[:2]:
+        assert result.status == "stopped" and set(json.loads(result.generated_text)) == {"n", "ok"}
+    running = min(len(r.generated_tokens) for r in got[:2])
+    assert sum(ahead[: running - 1]) >= running - 3, ahead
