@@ -7,6 +7,7 @@ import torch
 
 from splitserve import LLM, SamplingParams
 from splitserve.engine.guided import compile_schema
+from tests.fixtures.engine_batch import run_batch as _batch
 
 SCHEMA = {
     "type": "object",
@@ -46,20 +47,6 @@ def test_outputs_follow_the_schema_and_stop_when_it_is_complete(llm, temperature
     again = llm.generate(PROMPTS, params)
     assert [r.generated_tokens for r in again] == [r.generated_tokens for r in llm.generate(PROMPTS, params)]
     llm.engine.check_integrity()
-
-
-def _batch(engine, rows) -> tuple[list, list[bool]]:
-    """(prompt, params) rows as one engine batch: results by row, and per step whether it ran ahead."""
-    done, ahead = {}, []
-    for i, (prompt, p) in enumerate(rows):
-        engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), p)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.result is not None and out.result.is_finished:
-                done[out.request_id] = out.result
-        ahead.append(engine._inflight is not None)
-    engine.check_integrity()
-    return [done[f"r{i}"] for i in range(len(rows))], ahead
 
 
 def _batches(rows):

@@ -14,6 +14,7 @@ pytest.importorskip("llguidance")
 
 from splitserve import LLM, SamplingParams  # noqa: E402
 from splitserve.engine.step_sampling import StepSampling  # noqa: E402
+from tests.fixtures.engine_batch import run_batch  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999},
                                            "ok": {"type": "boolean"}},
@@ -36,16 +37,8 @@ def test_sampled_guided_rows_drawn_together_follow_the_schema(device, monkeypatc
         value = json.loads(result.generated_text)
         assert result.status == "stopped" and set(value) == {"n", "ok"} and isinstance(value["ok"], bool)
     assert sum(len(t) for t in taken) >= sum(len(r.generated_tokens) for r in first)  # every token drawn together
-    again = llm.engine
-    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):  # a batch of the three: the same draws
-        again.add_request(f"r{i}", again.tokenizer.encode(prompt), p)
-    done = {}
-    while again.has_unfinished():
-        for out in again.step():
-            if out.result is not None and out.result.is_finished:
-                done[out.request_id] = out.result
-    assert [done[f"r{i}"].generated_tokens for i in range(3)] == [r.generated_tokens for r in first]
-    again.check_integrity()
+    together, _ = run_batch(llm.engine, list(zip(prompts, params, strict=True)))  # a batch of the three: the same draws
+    assert [r.generated_tokens for r in together] == [r.generated_tokens for r in first]
 
 
 def test_sampled_guided_rows_run_ahead_with_the_plain_engines_draws(device):
@@ -62,16 +55,7 @@ def test_sampled_guided_rows_run_ahead_with_the_plain_engines_draws(device):
     for async_scheduling in (False, True):
         engine = LLM(block_size_tokens=16, num_blocks=256, dtype="float32", async_scheduling=async_scheduling).engine
         engine.runner._guided_draws = True
-        for i, (prompt, p) in enumerate(rows):
-            engine.add_request(f"r{i}", engine.tokenizer.encode(prompt), p)
-        done, ahead = {}, []
-        while engine.has_unfinished():
-            for out in engine.step():
-                if out.result is not None and out.result.is_finished:
-                    done[out.request_id] = out.result
-            ahead.append(engine._inflight is not None)
-        engine.check_integrity()
-        runs.append(([done[f"r{i}"] for i in range(len(rows))], ahead))
+        runs.append(run_batch(engine, rows))
     (plain, never), (got, ahead) = runs
     assert not any(never)
     assert [r.generated_tokens for r in got] == [r.generated_tokens for r in plain]
