@@ -39,6 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="sampling seed, for reproducible output")
     p.add_argument("--stop", action="append", default=[], help="stop word; repeatable")
     p.add_argument("--logprobs", action="store_true", help="include log-probs of generated tokens (with --json)")
+    p.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                   help="structured output: every prompt's text follows this JSON schema (its JSON text, or "
+                        "@FILE); '{\"type\": \"object\"}' = any JSON object")
+    p.add_argument("--grammar", default=None, metavar="LARK",
+                   help="structured output: an llguidance Lark grammar (text, or @FILE) the text must follow")
     p.add_argument("--tp", type=int, default=1, help="tensor parallel ranks (one process each)")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel stages (one process each)")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu or cuda")
@@ -54,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from splitserve.engine.sampling_params import SamplingParams
 
     try:
+        schema, grammar = _text_or_file(args.json_schema, "--json-schema"), _text_or_file(args.grammar, "--grammar")
         params = SamplingParams(
             num_tokens_to_generate=args.max_tokens,
             temperature=args.temperature,
@@ -63,6 +69,8 @@ def run(args: argparse.Namespace) -> int:
             stop_words=tuple(args.stop),
             return_log_probs=args.logprobs,
             skip_prompt_log_probs=True,
+            json_schema=schema,
+            grammar=grammar,
         )
         options = dict(
             device=args.device, dtype=args.dtype, block_size_tokens=args.block_size, buffer_size_gb=args.buffer_size_gb,
@@ -104,3 +112,14 @@ def run(args: argparse.Namespace) -> int:
         num_tokens = sum(len(r.generated_tokens) for r in results)
         print(f"[{len(results)} prompts, {num_tokens} tokens in {elapsed:.2f} s]", file=sys.stderr)
     return 0
+
+
+def _text_or_file(value: str | None, flag: str) -> str | None:
+    """`value`, or the text of the file it names after an @. FileNotFoundError names `flag`."""
+    if value is None or not value.startswith("@"):
+        return value
+    try:
+        with open(value[1:], encoding="utf-8") as f:
+            return f.read()
+    except OSError as exc:
+        raise FileNotFoundError(f"{flag} {value}: {exc.strerror or exc}") from None

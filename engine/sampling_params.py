@@ -133,7 +133,7 @@ class SamplingParams:
 
     @property
     def is_guided(self) -> bool:
-        """A json_schema or grammar: the row is sampled under its mask, and its step does not run ahead (engine/guided.py)."""
+        """A json_schema or grammar: the row is sampled under its mask (engine/guided.py)."""
         return self.json_schema is not None or self.grammar is not None
 
     @property

@@ -1,5 +1,6 @@
 """The package layout: one `splitserve` namespace, import rules, CLI help."""
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -80,6 +81,9 @@ def test_every_cli_option_has_help():
         # A bad layout fails in the rank processes: said as the rank's error, not its traceback.
         (["--tp", "3", "--device", "cpu"], ": 4 attention heads cannot be split over tp=3"),
         (["--device", "cuda"], "CUDA is not available here"),  # on this CPU-only machine
+        (["--json-schema", "@{tmp}/none.json"], "--json-schema @"),
+        (["--json-schema", '{"type": "nonsense"}'], "json_schema cannot be compiled"),
+        (["--grammar", "start: (("], "grammar cannot be compiled"),
     ],
 )
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
@@ -92,6 +96,22 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path, args, words):
                          capture_output=True, text=True, timeout=180)  # fmt: skip
     assert out.returncode == 2, out.stderr
     assert words in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_generate_follows_a_json_schema_from_a_file(tmp_path):
+    """`splitserve generate --json-schema @FILE`: the text is JSON that the schema accepts."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
+              "maximum": 9}}, "required": ["ok", "n"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    out = subprocess.run([sys.executable, "-m", "splitserve", "generate", "--prompt", "JSON:", "--prompt", "x",
+                          "--json-schema", f"@{tmp_path}/schema.json", "--max-tokens", "40", "--json"],
+                         capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    results = [json.loads(line) for line in out.stdout.splitlines()]
+    assert len(results) == 2
+    for result in results:
+        value = json.loads(result["generated_text"])
+        assert result["status"] == "stopped" and set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
 
 
 def test_a_worker_without_etcd_says_so_in_one_line():
