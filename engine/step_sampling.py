@@ -173,13 +173,13 @@ class StepSampling:
     @torch.inference_mode()
     def collect(self, step: PendingStep) -> list[ChunkResult]:
         """Sample the launched step (driver) and share the results with every rank."""
-        if step.layer_marks is not None:  # its layers' readiness first: a decode worker is pulling them
+        masks = self._guided_masks(step.out, skip=step.drawn) if self.ps.is_driver else None  # (settled rows: done)
+        if masks is not None:  # filled on the host while the device still runs the step
+            masks.rows(self.device)
+        if step.layer_marks is not None:  # its layers' readiness (a decode worker is pulling them) as they finish
             step.layer_marks()
         results = None
         if self.ps.is_driver:
-            masks = self._guided_masks(step.out, skip=step.drawn)  # (rows settled ahead have their tokens)
-            if masks is not None:  # filled on the host while the device still runs the step
-                masks.rows(self.device)
             if step.logits is not None:
                 if step.ready is not None:
                     step.ready.synchronize()
