@@ -139,6 +139,8 @@ class StepMasks:
         self._matchers = matchers
         self.vocab_size = vocab_size
         self._rows: dict[int, torch.Tensor] | None = None
+        self.stacked: torch.Tensor | None = None
+        """After `rows`: bool [rows, vocab_size], the rows in the order of `matchers`."""
 
     def rows(self, device, parallel: bool | None = None) -> dict[int, torch.Tensor]:
         """Chunk index -> bool [vocab_size] on `device`: the tokens its matcher accepts next
@@ -148,7 +150,7 @@ class StepMasks:
             import torch
 
             matchers = list(self._matchers.values())
-            bits = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)
+            bits = llg_torch.allocate_token_bitmask(len(matchers), self.vocab_size)  # pinned where CUDA is
             if parallel is None:
                 parallel = torch.device(device).type == "cuda"
             if parallel and len(matchers) > 1:
@@ -156,16 +158,24 @@ class StepMasks:
             else:
                 for k, matcher in enumerate(matchers):
                     llg_torch.fill_next_token_bitmask(matcher, bits, k)
-            if broken := [k for k, m in enumerate(matchers) if m.is_error()]:
-                bits[broken] = -1
-            if torch.device(device).type == "cuda":  # from pageable memory the copy would wait for the step
+            if tail := self.vocab_size % 32:  # no bit past the vocabulary
+                bits[:, -1] &= (1 << tail) - 1
+            # A broken matcher's row, or an empty one: every token (checked here, on 4 bytes per 32 tokens).
+            bits[(bits == 0).all(dim=1) | torch.tensor([m.is_error() for m in matchers])] = -1
+            if torch.device(device).type == "cuda" and not bits.is_pinned():  # pageable: the copy would wait
                 bits = bits.pin_memory()
             words = bits.to(device, non_blocking=True)
-            shifts = torch.arange(32, dtype=torch.int32, device=device)
-            masks = ((words[:, :, None] >> shifts) & 1).flatten(1)[:, : self.vocab_size].bool()
-            masks |= ~masks.any(dim=1, keepdim=True)
+            masks = ((words[:, :, None] >> _shifts(str(device))) & 1).flatten(1)[:, : self.vocab_size].bool()
+            self.stacked = masks
             self._rows = {i: masks[k] for k, i in enumerate(self._matchers)}
         return self._rows
+
+
+@functools.cache
+def _shifts(device: str):
+    import torch
+
+    return torch.arange(32, dtype=torch.int32, device=device)
 
 
 @functools.cache

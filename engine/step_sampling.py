@@ -216,7 +216,7 @@ class StepSampling:
             return step
         masks = self._guided_masks(step.out, skip=frozenset(range(len(step.out.chunks))) - rows)
         spans = [(i, i + 1) for i in range(len(step.out.chunks))]
-        picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks.rows(self.device), step.adjusted)
+        picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks, step.adjusted)
         if set(picked) != rows:
             raise ValueError(f"guided rows {sorted(rows - set(picked))} cannot be settled at launch")
         step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
@@ -296,7 +296,7 @@ class StepSampling:
                                             to_device(tokens, torch.long, logits.device),
                                             [out.chunks[i].request.params.top_n_logprobs for i in late]).read())
         allowed = masks.rows(logits.device) if masks is not None else {}
-        guided = self._guided_batch(out, logits, spans, allowed, adjusted)
+        guided = self._guided_batch(out, logits, spans, masks, adjusted)
         results = []
         for i, (chunk, (_, last)) in enumerate(zip(out.chunks, spans, strict=True)):
             req = chunk.request
@@ -317,22 +317,23 @@ class StepSampling:
             results.append(ChunkResult(req.request_id, sample, tuple(plp), tuple(ptop)))
         return results
 
-    def _guided_batch(self, out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
+    def _guided_batch(self, out: SchedulerOutput, logits, spans, masks: StepMasks | None,
                       adjusted: frozenset[int]) -> dict[int, int]:
         """Chunk index -> token of the guided rows that want nothing more than their token
         (`_guided_tokens`), with one host sync for all."""
-        rows, tokens = self._guided_tokens(out, logits, spans, allowed, adjusted)
+        rows, tokens = self._guided_tokens(out, logits, spans, masks, adjusted)
         return dict(zip(rows, tokens.tolist(), strict=True)) if rows else {}
 
-    def _guided_tokens(self, out: SchedulerOutput, logits, spans, allowed: dict[int, torch.Tensor],
+    def _guided_tokens(self, out: SchedulerOutput, logits, spans, masks: StepMasks | None,
                        adjusted: frozenset[int]) -> tuple[list[int], torch.Tensor | None]:
         """The guided rows that want nothing more than their token (no log-probs, no bias /
         penalties left to apply) and their tokens on the device, all at once: greedy rows by one
         masked argmax; sampled rows, on CUDA with Triton, masked in place and drawn by the batched
         device sampler (engine/device_sampler.py, seeded per position as every drawn row) —
         elsewhere they are left to the host sampler. No host sync."""
-        if not allowed:
+        if masks is None:
             return [], None
+        allowed = masks.rows(logits.device)
         rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
                 and (not p.adjusts_logits or i in adjusted)]
         if not self._guided_draws:  # (CUDA with Triton: the device sampler's kernels)
@@ -340,7 +341,8 @@ class StepSampling:
         if not rows:
             return [], None
         index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
-        masked = logits.index_select(0, index).masked_fill_(~torch.stack([allowed[i] for i in rows]), float("-inf"))
+        keep = masks.stacked if rows == list(allowed) else torch.stack([allowed[i] for i in rows])
+        masked = logits.index_select(0, index).masked_fill_(~keep, float("-inf"))
         tokens = masked.argmax(dim=-1)
         if sampled := [k for k, i in enumerate(rows) if not out.chunks[i].request.params.is_greedy]:
             logits.index_copy_(0, index, masked)

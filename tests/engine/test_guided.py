@@ -157,6 +157,37 @@ def test_a_steps_masks_are_each_matchers_own(llm):
         assert 0 < int(rows[i].sum()) < vocab
     assert rows[3].nonzero().flatten().tolist() == [engine.tokenizer.eos_token_id]  # complete: EOS only
     assert bool(rows[7].all())
+    masks = StepMasks(matchers, vocab)
+    masks.rows(torch.device("cpu"))
+    assert torch.equal(masks.stacked, torch.stack([rows[i] for i in (0, 1, 2, 3, 7)]))
+
+
+class _Bits:
+    """A stand-in matcher whose mask is the bytes `fill` (llguidance writes a row through this call)."""
+
+    def __init__(self, fill):
+        self.fill = fill
+
+    def unsafe_compute_mask_ptr(self, ptr: int, size: int) -> None:
+        import ctypes
+
+        ctypes.memmove(ptr, self.fill(size), size)
+
+    def is_error(self) -> bool:
+        return False
+
+
+def test_an_empty_mask_lets_every_token_through_and_no_bit_past_the_vocabulary_counts():
+    from splitserve.engine.guided import StepMasks
+
+    vocab = 3 * 32 + 5  # the last word holds 5 tokens' bits and 27 past the vocabulary
+    only_past = _Bits(lambda n: bytes(n - 4) + (0xFFFFFFE0).to_bytes(4, "little"))  # bits 5..31 of the last word
+    one = _Bits(lambda n: bytes(4) + (1 << 3).to_bytes(4, "little") + bytes(n - 8))  # token 35
+    masks = StepMasks({0: _Bits(bytes), 1: only_past, 2: one}, vocab)
+    rows = masks.rows(torch.device("cpu"))
+    assert masks.stacked.shape == (3, vocab)
+    assert bool(rows[0].all()) and bool(rows[1].all())  # nothing allowed: everything is
+    assert rows[2].nonzero().flatten().tolist() == [35]
 
 
 def test_guided_greedy_rows_take_one_masked_argmax(llm, monkeypatch):
@@ -165,8 +196,8 @@ def test_guided_greedy_rows_take_one_masked_argmax(llm, monkeypatch):
     from splitserve.engine.step_sampling import StepSampling
 
     taken = []
-    batched = StepSampling._guided_batch
-    monkeypatch.setattr(StepSampling, "_guided_batch", lambda *a: taken.append(r := batched(*a)) or r)
+    batched = StepSampling._guided_tokens  # rows taken together (at collect, or settled ahead)
+    monkeypatch.setattr(StepSampling, "_guided_tokens", lambda *a: taken.append((r := batched(*a))[0]) or r)
     bare = SamplingParams(num_tokens_to_generate=60, temperature=0.0, json_schema=json.dumps(SCHEMA))
     fast = llm.generate(PROMPTS, bare)
     assert sum(len(t) for t in taken) >= sum(len(r.generated_tokens) for r in fast) > 0
@@ -197,8 +228,8 @@ def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone(monkeypa
     from splitserve.engine.step_sampling import StepSampling
 
     taken = []
-    batched = StepSampling._guided_batch
-    monkeypatch.setattr(StepSampling, "_guided_batch", lambda *a: taken.append(r := batched(*a)) or r)
+    batched = StepSampling._guided_tokens  # rows taken together (at collect, or settled ahead)
+    monkeypatch.setattr(StepSampling, "_guided_tokens", lambda *a: taken.append((r := batched(*a))[0]) or r)
     sampled = SamplingParams(num_tokens_to_generate=80, temperature=1.0, top_p=0.95, seed=11, json_schema=json.dumps(SCHEMA))
     first = gpu.generate(PROMPTS * 4, sampled)
     assert all(r.status == "stopped" and _follows(r.generated_text) for r in first), [r.generated_text for r in first]

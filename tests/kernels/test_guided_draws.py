@@ -27,8 +27,8 @@ def test_sampled_guided_rows_drawn_together_follow_the_schema(device, monkeypatc
     llm = LLM(block_size_tokens=16, num_blocks=256, dtype="float32")
     llm.engine.runner._guided_draws = True
     taken = []
-    batched = StepSampling._guided_batch
-    monkeypatch.setattr(StepSampling, "_guided_batch", lambda *a: taken.append(r := batched(*a)) or r)
+    batched = StepSampling._guided_tokens  # rows taken together (at collect, or settled ahead)
+    monkeypatch.setattr(StepSampling, "_guided_tokens", lambda *a: taken.append((r := batched(*a))[0]) or r)
     prompts = ["Give me JSON:", "x", "def f():"]
     params = [SamplingParams(num_tokens_to_generate=40, temperature=t, top_k=k, top_p=p, seed=s, json_schema=json.dumps(SCHEMA))
               for t, k, p, s in ((1.0, 0, 0.0, 1), (0.8, 20, 0.0, 2), (1.2, 0, 0.9, 3))]
