@@ -7,7 +7,7 @@ mask of the allowed next tokens at every sampled position.
                                   the request already output: a decode worker's imported first
                                   token, a resumed stream's earlier output)
     each sampled position: StepMasks (the step's rows at once) ─▶ disallowed logits -inf ─▶ greedy / draw
-    each token appended:   req.guide.consume_token(token)
+    each step's tokens:    their matchers consume them (`consume_tokens`: together on a GPU engine)
 
 Why llguidance: it computes a mask over a whole vocabulary from a tokenizer's byte-level trie and
 an Earley parser of the grammar (a Rust library, MIT, no dependencies), so a schema costs one host
@@ -169,6 +169,17 @@ class StepMasks:
             self.stacked = masks
             self._rows = {i: masks[k] for k, i in enumerate(self._matchers)}
         return self._rows
+
+
+def consume_tokens(pairs: list[tuple[object, int]], parallel: bool) -> None:
+    """Each (matcher, token): the matcher takes its row's new token (a token its mask did not allow
+    leaves it in error: its next mask lets everything through, see `StepMasks`). `parallel`: by
+    llguidance's executor (GPU engines, as the masks), else one after another."""
+    if parallel and len(pairs) > 1:
+        _mask_executor().consume_token_par(pairs)
+    else:
+        for matcher, token in pairs:
+            matcher.consume_token(token)
 
 
 @functools.cache

@@ -35,6 +35,7 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
     """Append sampled tokens, run stop checks, finish requests. `ahead`: the step
     ran with placeholders (step_pipeline.py) whose bookkeeping is done here."""
     outputs = []
+    guided: list[tuple[object, int]] = []
     now = time.monotonic()
     for chunk, res in zip(out.chunks, results, strict=True):
         req = chunk.request
@@ -49,8 +50,8 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
             continue
         token = res.sample.token_id
         req.output_token_ids.append(token)
-        if req.guide is not None:
-            req.guide.consume_token(token)
+        if req.guide is not None:  # its matchers take their tokens together, below
+            guided.append((req.guide, token))
         is_first = req.first_token_time is None
         if is_first:
             req.first_token_time = now
@@ -67,4 +68,9 @@ def apply_results(engine, out, results, ahead: bool) -> list[StepOutput]:
         snapshot = is_finished or engine.snapshot_outputs or is_first
         result = GenerationResult.from_request(req, is_finished) if snapshot else None
         outputs.append(StepOutput(req.request_id, (token,), delta, result, len(req.output_token_ids), log_probs, top_n))
+    if guided:
+        from splitserve.engine.guided import consume_tokens
+
+        runner = getattr(engine, "runner", None)
+        consume_tokens(guided, parallel=runner is not None and runner.device.type == "cuda")
     return outputs

@@ -258,3 +258,24 @@ def test_on_the_gpu_guided_rows_match_the_cpu_and_leave_the_batch_alone(monkeypa
     assert all(r.status == "stopped" and _follows(r.generated_text) for r in ahead_rows[1:])
     running = min(len(r.generated_tokens) for r in ahead_rows[1:])
     assert sum(ahead[: running - 1]) >= running - 3, ahead
+
+
+def test_matchers_consume_a_steps_tokens_alike_together_or_one_by_one(llm):
+    """`consume_tokens` (apply_results): llguidance's executor (GPU engines) leaves every matcher where
+    consuming one by one does, a refused token included (the matcher is then in error)."""
+    from splitserve.engine.guided import StepMasks, consume_tokens
+
+    engine = llm.engine
+    params = SamplingParams(json_schema=json.dumps(SCHEMA))
+    ids = engine.tokenizer.encode(json.dumps({"name": "ab", "age": 7, "tags": ["a"], "ok": True}), add_bos=False)
+    bad = engine.tokenizer.encode("zzz", add_bos=False)[0]
+    cuts = (0, 2, 5, len(ids) // 2, len(ids) - 2)
+    states = []
+    for parallel in (False, True):
+        matchers = [engine.guides.matcher(params, ids[:n]) for n in cuts] + [engine.guides.matcher(params, [])]
+        consume_tokens([(m, ids[n]) for m, n in zip(matchers, cuts, strict=False)] + [(matchers[-1], bad)], parallel)
+        assert matchers[-1].is_error() and not any(m.is_error() for m in matchers[:-1])
+        states.append(StepMasks(dict(enumerate(matchers)), engine.model_config.vocab_size).rows(torch.device("cpu")))
+    serial, together = states
+    assert all(torch.equal(serial[i], together[i]) for i in serial)
+    assert not torch.equal(serial[0], serial[1])
