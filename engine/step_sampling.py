@@ -210,17 +210,17 @@ class StepSampling:
         the device still runs the step, and the masked argmax / draws are queued behind it; the
         rows join `drawn`, and the tokens' host copy is queued again. Rows must satisfy
         `settles_guided`."""
-        rows = {i for i, c in enumerate(step.out.chunks)
+        rows = {i: c.request.guide for i, c in enumerate(step.out.chunks)
                 if c.is_sample and c.request.guide is not None and not c.request.status.is_finished}
         if not rows or not self.ps.is_driver:
             return step
-        masks = self._guided_masks(step.out, skip=frozenset(range(len(step.out.chunks))) - rows)
+        masks = StepMasks(rows, self.logit_slots.vocab)
         spans = [(i, i + 1) for i in range(len(step.out.chunks))]
         picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks, step.adjusted)
-        if set(picked) != rows:
-            raise ValueError(f"guided rows {sorted(rows - set(picked))} cannot be settled at launch")
+        if set(picked) != set(rows):
+            raise ValueError(f"guided rows {sorted(set(rows) - set(picked))} cannot be settled at launch")
         step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
-        done = replace(step, drawn=step.drawn | rows)
+        done = replace(step, drawn=step.drawn | set(rows))
         if step.ready is None:  # CPU: the host tokens are the tokens
             return done
         step.greedy_host.copy_(step.greedy, non_blocking=True)
