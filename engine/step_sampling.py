@@ -195,10 +195,11 @@ class StepSampling:
                     if c.is_sample and c.request.guide is not None and i not in skip}
         return StepMasks(matchers, self.logit_slots.vocab) if matchers else None
 
-    def settles_guided(self, params) -> bool:
-        """Can a guided row of these params take its token on the device alone (`_guided_batch`):
-        no log-probs, no bias / penalties, greedy — or sampled where the device sampler draws?"""
-        return (not wants_logprobs(params) and not params.adjusts_logits
+    def settles_guided(self, params, adjusted: bool = False) -> bool:
+        """Can a guided row of these params take its token on the device alone (`_guided_tokens`):
+        no log-probs, no bias / penalties left to apply (`adjusted`: already in its logits), greedy —
+        or sampled where the device sampler draws?"""
+        return (not wants_logprobs(params) and (not params.adjusts_logits or adjusted)
                 and (params.is_greedy or self._guided_draws))
 
     @torch.inference_mode()
@@ -334,10 +335,7 @@ class StepSampling:
         if masks is None:
             return [], None
         allowed = masks.rows(logits.device)
-        rows = [i for i in allowed if not wants_logprobs(p := out.chunks[i].request.params)
-                and (not p.adjusts_logits or i in adjusted)]
-        if not self._guided_draws:  # (CUDA with Triton: the device sampler's kernels)
-            rows = [i for i in rows if out.chunks[i].request.params.is_greedy]
+        rows = [i for i in allowed if self.settles_guided(out.chunks[i].request.params, i in adjusted)]
         if not rows:
             return [], None
         index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
