@@ -59,13 +59,12 @@ def main() -> None:
     guided = SamplingParams(num_tokens_to_generate=args.new_tokens, json_schema=json.dumps(schema(args.new_tokens)), **sampling)
     llm.generate(prompts, free)  # warm-up: compiles, graphs
     llm.generate(prompts, guided)
-    runner = llm.engine.runner
     rows = []
     for _ in range(args.rounds):
         f, g = _decode_tok_s(llm, prompts, free), _decode_tok_s(llm, prompts, guided)
-        runner.settles_guided = lambda params: False  # every guided step waits, as before settle_guided
-        held = _decode_tok_s(llm, prompts, guided)
-        del runner.settles_guided
+        ahead, llm.engine.async_scheduling = llm.engine.async_scheduling, False  # every guided step waits,
+        held = _decode_tok_s(llm, prompts, guided)  # as before settle_guided (the batch is all guided rows)
+        llm.engine.async_scheduling = ahead
         rows.append((f, g, held))
     print(f"# batch {args.batch}, {args.new_tokens} new tokens, {'cuda' if args.gpu else 'cpu'}, temperature {args.temperature}, "
           f"async scheduling {'on' if llm.engine.async_scheduling else 'off'}")
