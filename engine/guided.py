@@ -64,6 +64,7 @@ class Guides:
         self._dir = None if tokenizer_dir is None else Path(tokenizer_dir)
         self.vocab_size = vocab_size
         self._eos = list(eos_ids)
+        self._fresh = functools.lru_cache(maxsize=64)(self._fresh_matcher)
 
     @cached_property
     def _tokenizer(self):
@@ -76,16 +77,24 @@ class Guides:
 
     def matcher(self, params, output_so_far: list[int]):
         """A matcher for `params`' json_schema or grammar that has consumed `output_so_far`.
-        ValueError for one the compiler refuses, or output that does not follow it."""
+        ValueError for one the compiler refuses, or output that does not follow it.
+
+        A copy of a fresh matcher kept per grammar (the last 64): building one from the grammar
+        took 585 µs on this 2-core machine (1.1 ms on an H100's host, 13% of a batch of 64
+        guided requests of 64 tokens each), copying one 1 µs."""
+        what = "json_schema" if params.json_schema is not None else "grammar"
+        matcher = self._fresh(what, params.json_schema if params.json_schema is not None else params.grammar).deep_copy()
+        if output_so_far and not matcher.consume_tokens(list(output_so_far)):
+            raise ValueError(f"the request's earlier output does not follow its {what}: {matcher.get_error()}")
+        return matcher
+
+    def _fresh_matcher(self, what: str, text: str):
         import llguidance
 
-        what = "json_schema" if params.json_schema is not None else "grammar"
-        grammar = compile_schema(params.json_schema) if params.json_schema is not None else compile_lark(params.grammar)
+        grammar = compile_schema(text) if what == "json_schema" else compile_lark(text)
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"{what} cannot be compiled: {matcher.get_error()}")
-        if output_so_far and not matcher.consume_tokens(list(output_so_far)):
-            raise ValueError(f"the request's earlier output does not follow its {what}: {matcher.get_error()}")
         return matcher
 
 
@@ -158,14 +167,20 @@ class StepMasks:
             else:
                 for k, matcher in enumerate(matchers):
                     llg_torch.fill_next_token_bitmask(matcher, bits, k)
-            if tail := self.vocab_size % 32:  # no bit past the vocabulary
-                bits[:, -1] &= (1 << tail) - 1
-            # A broken matcher's row, or an empty one: every token (checked here, on 4 bytes per 32 tokens).
-            bits[(bits == 0).all(dim=1) | torch.tensor([m.is_error() for m in matchers])] = -1
+            # Fixed on the host through numpy (a few µs; as torch ops they took ~100 µs a step on an
+            # H100's host): no bit past the vocabulary; a broken matcher's row, or an empty one, lets
+            # every token through (checked on 4 bytes per 32 tokens).
+            words = bits.numpy()
+            if tail := self.vocab_size % 32:
+                words[:, -1] &= (1 << tail) - 1
+            let_all = ~words.any(axis=1)
+            let_all |= [m.is_error() for m in matchers]
+            if let_all.any():
+                words[let_all] = -1
             if torch.device(device).type == "cuda" and not bits.is_pinned():  # pageable: the copy would wait
                 bits = bits.pin_memory()
-            words = bits.to(device, non_blocking=True)
-            masks = ((words[:, :, None] >> _shifts(str(device))) & 1).flatten(1)[:, : self.vocab_size].bool()
+            packed = bits.to(device, non_blocking=True)
+            masks = torch.bitwise_and(packed[:, :, None], _bit_values(str(device))).flatten(1)[:, : self.vocab_size] != 0
             self.stacked = masks
             self._rows = {i: masks[k] for k, i in enumerate(self._matchers)}
         return self._rows
@@ -183,10 +198,11 @@ def consume_tokens(pairs: list[tuple[object, int]], parallel: bool) -> None:
 
 
 @functools.cache
-def _shifts(device: str):
+def _bit_values(device: str):
+    """int32 [32]: bit k set alone (bit 31 is the sign bit: negative, as a mask it is the same)."""
     import torch
 
-    return torch.arange(32, dtype=torch.int32, device=device)
+    return torch.tensor([1 << k for k in range(31)] + [-(1 << 31)], dtype=torch.int32, device=device)
 
 
 @functools.cache

@@ -157,6 +157,8 @@ def test_a_steps_masks_are_each_matchers_own(llm):
         assert 0 < int(rows[i].sum()) < vocab
     assert rows[3].nonzero().flatten().tolist() == [engine.tokenizer.eos_token_id]  # complete: EOS only
     assert bool(rows[7].all())
+    # Matchers are copies of one fresh matcher per grammar: what the others consumed left it fresh.
+    assert torch.equal(_own_mask(engine.guides.matcher(params, []), vocab), rows[0])
     masks = StepMasks(matchers, vocab)
     masks.rows(torch.device("cpu"))
     assert torch.equal(masks.stacked, torch.stack([rows[i] for i in (0, 1, 2, 3, 7)]))
