@@ -83,6 +83,10 @@ def main() -> None:
         matcher.consume_token(token)
     per_token = (time.perf_counter() - start) / len(text)
     print(f"one row: mask + consume per token: {per_token * 1e6:.0f} µs (vocabulary {vocab:,})")
+    start = time.perf_counter()
+    for _ in range(20):
+        llm.engine.guides.matcher(guided, [])
+    print(f"a new request's matcher: {(time.perf_counter() - start) / 20 * 1e6:.0f} µs")
     matchers = {i: llm.engine.guides.matcher(guided, text[: i % len(text)]) for i in range(args.batch)}
     StepMasks(matchers, vocab).rows(device)
     start = time.perf_counter()
