@@ -220,7 +220,10 @@ class StepSampling:
         picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks, step.adjusted)
         if set(picked) != set(rows):
             raise ValueError(f"guided rows {sorted(set(rows) - set(picked))} cannot be settled at launch")
-        step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
+        if picked == list(range(len(step.greedy))):
+            step.greedy.copy_(tokens)
+        else:
+            step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
         done = replace(step, drawn=step.drawn | set(rows))
         if step.ready is None:  # CPU: the host tokens are the tokens
             return done
@@ -338,12 +341,17 @@ class StepSampling:
         rows = [i for i in allowed if self.settles_guided(out.chunks[i].request.params, i in adjusted)]
         if not rows:
             return [], None
-        index = to_device([spans[i][1] - 1 for i in rows], torch.long, logits.device)
+        at = [spans[i][1] - 1 for i in rows]
+        whole = at == list(range(len(logits)))  # every row of `logits`, in order (a guided decode batch): no gather
+        index = None if whole else to_device(at, torch.long, logits.device)
         keep = masks.stacked if rows == list(allowed) else torch.stack([allowed[i] for i in rows])
-        masked = logits.index_select(0, index).masked_fill_(~keep, float("-inf"))
+        masked = (logits if whole else logits.index_select(0, index)).masked_fill(~keep, float("-inf"))
         tokens = masked.argmax(dim=-1)
         if sampled := [k for k, i in enumerate(rows) if not out.chunks[i].request.params.is_greedy]:
-            logits.index_copy_(0, index, masked)
+            if whole:
+                logits.copy_(masked)
+            else:
+                logits.index_copy_(0, index, masked)
             drawn = draw_rows(out.chunks, logits, spans, self.row_seed, [rows[k] for k in sampled])
             tokens.index_copy_(0, to_device(sampled, torch.long, tokens.device), drawn)  # no pageable copy: no sync
         return rows, tokens
