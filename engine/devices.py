@@ -49,3 +49,12 @@ def to_device(rows: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
+
+
+def put_rows(dst: torch.Tensor, rows: list[int], values: torch.Tensor) -> None:
+    """`dst[rows] = values` with no host sync: a plain copy when `rows` are all of `dst`'s rows
+    in order (a batch's common case: no index list sent to the device), else an index copy."""
+    if rows == list(range(len(dst))):
+        dst.copy_(values)
+    else:
+        dst.index_copy_(0, to_device(rows, torch.long, dst.device), values)

@@ -22,7 +22,7 @@ from splitserve.engine.device_sampler import (
     draw_rows,
     sampled_rows,
 )
-from splitserve.engine.devices import to_device
+from splitserve.engine.devices import put_rows, to_device
 from splitserve.engine.guided import StepMasks
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import SampleResult, make_generator, prompt_logprobs, sample_row
@@ -158,10 +158,7 @@ class StepSampling:
             if drawn is None:
                 spans = [(i, i + 1) for i in range(len(out.chunks))]
                 drawn = draw_rows(out.chunks, logits, spans, self.row_seed, picked)
-            if len(picked) == len(tokens):
-                tokens.copy_(drawn)
-            else:
-                tokens.index_copy_(0, to_device(picked, torch.long, tokens.device), drawn)
+            put_rows(tokens, picked, drawn)
             return frozenset(picked)
         picked = sorted(set(sampled_rows(out.chunks, self.config.logprobs_mode)) | raw_taken)
         for i in picked:
@@ -220,10 +217,7 @@ class StepSampling:
         picked, tokens = self._guided_tokens(step.out, step.logits, spans, masks, step.adjusted)
         if set(picked) != set(rows):
             raise ValueError(f"guided rows {sorted(set(rows) - set(picked))} cannot be settled at launch")
-        if picked == list(range(len(step.greedy))):
-            step.greedy.copy_(tokens)
-        else:
-            step.greedy.index_copy_(0, to_device(picked, torch.long, step.greedy.device), tokens)
+        put_rows(step.greedy, picked, tokens)
         done = replace(step, drawn=step.drawn | set(rows))
         if step.ready is None:  # CPU: the host tokens are the tokens
             return done
@@ -348,12 +342,9 @@ class StepSampling:
         masked = (logits if whole else logits.index_select(0, index)).masked_fill(~keep, float("-inf"))
         tokens = masked.argmax(dim=-1)
         if sampled := [k for k, i in enumerate(rows) if not out.chunks[i].request.params.is_greedy]:
-            if whole:
-                logits.copy_(masked)
-            else:
-                logits.index_copy_(0, index, masked)
+            put_rows(logits, at, masked)
             drawn = draw_rows(out.chunks, logits, spans, self.row_seed, [rows[k] for k in sampled])
-            tokens.index_copy_(0, to_device(sampled, torch.long, tokens.device), drawn)  # no pageable copy: no sync
+            put_rows(tokens, sampled, drawn)
         return rows, tokens
 
     def _generator(self, req: Request) -> torch.Generator | None:
